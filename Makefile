@@ -1,0 +1,37 @@
+# Two entry points, both idempotent on a fresh clone:
+#   make bench   set up .venv, then run the main job (qcomm bench on local ranks)
+#   make test    set up .venv, then run ruff, mypy and pytest
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# pip reads this file; pins torch so no CUDA build of a newer release is pulled in.
+PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
+
+.PHONY: setup bench test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt Makefile $(wildcard plugins/*/pyproject.toml)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[cpu,dev]'
+	# TorchRec without its dependency on the CUDA fbgemm-gpu (tests only).
+	$(PIP) --no-deps torchrec==1.8.0
+	$(PIP) tensordict torchmetrics tqdm pyre-extensions
+	set -e; for d in plugins/*/; do if test -f $$d/pyproject.toml; then $(PIP) -e $$d; fi; done
+	touch $@
+
+bench: $(STAMP)
+	$(BIN)/qcomm bench
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q; rc=$$?; test $$rc -eq 0 -o $$rc -eq 5
+
+clean:
+	rm -rf $(VENV)

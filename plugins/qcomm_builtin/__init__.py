@@ -1,0 +1,1 @@
+"""qcomm's built-in codecs, reached only through the ``qcomm.codecs`` entry points."""

@@ -1,0 +1,46 @@
+r"""
+qcomm: quantized collective communication for PyTorch embeddings.
+
+Codecs are plugins found through the ``qcomm.codecs`` entry points; a registry
+of codec pairs keyed by :class:`~qcomm.CommOp` plugs into TorchRec sharders;
+the three embedding collectives run with a codec on each pass.
+"""
+
+from qcomm.awaitable import Awaitable, NoWait
+from qcomm.registry import (
+    CodecEntry,
+    available_codecs,
+    build_registry,
+    codec_entries,
+    load_codec,
+    parse_codec_spec,
+)
+from qcomm.types import (
+    CodecError,
+    CodecInfo,
+    CommOp,
+    NoOpQuantizedCommCodec,
+    QuantizedCommCodec,
+    QuantizedCommCodecs,
+    codec_info,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Awaitable",
+    "CodecEntry",
+    "CodecError",
+    "CodecInfo",
+    "CommOp",
+    "NoOpQuantizedCommCodec",
+    "NoWait",
+    "QuantizedCommCodec",
+    "QuantizedCommCodecs",
+    "available_codecs",
+    "build_registry",
+    "codec_entries",
+    "codec_info",
+    "load_codec",
+    "parse_codec_spec",
+]

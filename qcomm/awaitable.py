@@ -1,0 +1,75 @@
+r"""
+Awaitables: results that are ready later, like TorchRec's ``Awaitable``.
+
+Every collective returns one so that the caller can overlap other work with
+the communication before calling :meth:`~qcomm.Awaitable.wait`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+__all__ = ["Awaitable", "NoWait"]
+
+W = TypeVar("W")
+
+_NOT_READY = object()
+
+
+class Awaitable(abc.ABC, Generic[W]):
+    r"""
+    A result that is ready after :meth:`wait`.
+
+    Subclasses implement ``_wait_impl``. :meth:`wait` runs it once, passes the
+    result through every function in :attr:`callbacks` in order, and returns
+    (and remembers) what the last one returned, so calling :meth:`wait` again
+    is free and gives the same object.
+
+    Examples::
+
+        >>> a = NoWait(3)
+        >>> a.callbacks.append(lambda x: x + 1)
+        >>> a.wait()
+        4
+    """
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[W], W]] = []
+        self._result: object = _NOT_READY
+
+    @abc.abstractmethod
+    def _wait_impl(self) -> W: ...
+
+    def wait(self) -> W:
+        r"""
+        wait() -> W
+
+        Blocks until the result is ready, applies :attr:`callbacks` and returns it.
+
+        Returns:
+            W: the result.
+        """
+        if self._result is _NOT_READY:
+            result = self._wait_impl()
+            for callback in self.callbacks:
+                result = callback(result)
+            self._result = result
+        return self._result  # type: ignore[return-value]
+
+
+class NoWait(Awaitable[W]):
+    r"""
+    An :class:`Awaitable` whose result is already there.
+
+    Args:
+        obj (W): the result.
+    """
+
+    def __init__(self, obj: W) -> None:
+        super().__init__()
+        self._obj = obj
+
+    def _wait_impl(self) -> W:
+        return self._obj
