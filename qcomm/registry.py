@@ -69,7 +69,7 @@ def _refuse_conflicts(namespace: str, name: str, extensions: list[Extension[Any]
 
 
 def _raise_load_failure(
-    manager: Any, entry_point: importlib.metadata.EntryPoint, err: Exception
+    manager: Any, entry_point: importlib.metadata.EntryPoint, err: BaseException
 ) -> None:
     raise CodecError(f"failed to import: {type(err).__name__}: {err}") from err
 
