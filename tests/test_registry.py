@@ -1,0 +1,349 @@
+"""Entry-point discovery, codec specs, build_registry and every CodecError of the core."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from fake_dists import GOOD_CODEC, activate, make_dist
+
+import qcomm
+from qcomm import CodecError, CommOp, NoOpQuantizedCommCodec, QuantizedCommCodecs
+from qcomm.cli import main as cli_main
+
+ALL_OPS = sorted(op.name for op in CommOp)
+
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    """Three throw-away distributions: a good one, a broken one, and one whose
+    factory fails; their modules record that they were imported."""
+    monkeypatch.delenv("QCOMM_PLUGINS", raising=False)
+    monkeypatch.delenv("QCOMM_CODECS", raising=False)
+    make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"})
+    make_dist(
+        tmp_path,
+        "other-codecs",
+        "other_mod",
+        GOOD_CODEC,
+        {"other": "Codec", "notacodec": "make_plain"},
+        version="2.5",
+    )
+    with (tmp_path / "other_mod.py").open("a") as f:
+        f.write("\ndef make_plain():\n    return object()\n")
+    make_dist(
+        tmp_path,
+        "broken-codecs",
+        "broken_mod",
+        "import no_such_dependency_xyz\n",
+        {"broken": "Codec"},
+    )
+    make_dist(
+        tmp_path,
+        "angry-codecs",
+        "angry_mod",
+        "def Codec(**kw):\n    raise RuntimeError('no GPU found')\n",
+        {"angry": "Codec"},
+    )
+    activate(tmp_path, monkeypatch)
+    return tmp_path
+
+
+def test_available_codecs_lists_builtins_and_plugins(plugins):
+    names = qcomm.available_codecs()
+    for name in ["noop", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "mx4"]:
+        assert name in names
+    for name in ["good", "other", "broken", "angry", "notacodec"]:
+        assert name in names
+    assert names == sorted(names)
+    entry = qcomm.codec_entries()["other"][0]
+    assert (entry.distribution, entry.version, entry.value) == (
+        "other-codecs",
+        "2.5",
+        "other_mod:Codec",
+    )
+
+
+def test_available_codecs_imports_no_plugin(tmp_path):
+    # A fresh interpreter, so that no earlier test has imported a plugin.
+    make_dist(tmp_path, "loud-codecs", "loud_mod", "raise SystemExit('imported!')\n", {"loud": "X"})
+    code = textwrap.dedent(
+        """
+        import sys, qcomm
+        before = set(sys.modules)
+        names = qcomm.available_codecs()
+        entries = qcomm.codec_entries()
+        assert "loud" in names and "int8" in names, names
+        new = sorted(m for m in set(sys.modules) - before
+                     if m.startswith(("qcomm_builtin", "loud_mod", "fbgemm")))
+        print("NEW:", new)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "NEW: []" in out.stdout
+
+
+def test_load_codec_imports_only_the_named_plugin(plugins):
+    codec = qcomm.load_codec("good:scale=2.5,tag=abc")
+    assert (codec.scale, codec.tag) == (2.5, "abc")
+    assert "good_mod" in sys.modules
+    assert "other_mod" not in sys.modules
+    assert "broken_mod" not in sys.modules
+    x = torch.arange(5.0)
+    assert torch.equal(codec.decode(codec.encode(x)), x)
+
+
+def test_load_codec_keyword_options_override_spec(plugins):
+    assert qcomm.load_codec("good:scale=2", scale=4.0).scale == 4.0
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("int8", ("int8", {})),
+        ("int8:row_dim=64", ("int8", {"row_dim": 64})),
+        (" mx4 : group_size=32 , rounding=even ", ("mx4", {"group_size": 32, "rounding": "even"})),
+        (
+            "fp16:loss_scale=0.5,flag=TRUE,off=false",
+            ("fp16", {"loss_scale": 0.5, "flag": True, "off": False}),
+        ),
+        ("x:neg=-3,exp=1e-3", ("x", {"neg": -3, "exp": 1e-3})),
+    ],
+)
+def test_parse_codec_spec(spec, expected):
+    assert qcomm.parse_codec_spec(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["", "  ", ":row_dim=3", "int8:row_dim", "int8:=3"])
+def test_parse_codec_spec_rejects_malformed(spec):
+    with pytest.raises(CodecError, match="spec|option"):
+        qcomm.parse_codec_spec(spec)
+
+
+def test_unknown_codec_lists_available(plugins):
+    with pytest.raises(CodecError) as err:
+        qcomm.load_codec("int9")
+    msg = str(err.value)
+    assert "'int9'" in msg and "available codecs:" in msg and "int8" in msg and "good" in msg
+
+
+def test_unknown_option_lists_accepted(plugins):
+    with pytest.raises(CodecError) as err:
+        qcomm.load_codec("good:scael=2")
+    msg = str(err.value)
+    assert "scael" in msg and "accepted options: scale, tag" in msg and "good-codecs" in msg
+
+
+def test_broken_plugin_names_itself_and_others_stay_usable(plugins):
+    with pytest.raises(CodecError) as err:
+        qcomm.load_codec("broken")
+    msg = str(err.value)
+    assert "'broken'" in msg and "broken-codecs 1.0" in msg
+    assert "failed to import" in msg and "no_such_dependency_xyz" in msg
+    # One broken distribution spoils nothing else.
+    assert qcomm.load_codec("good").scale == 1.0
+    assert isinstance(qcomm.load_codec("noop"), NoOpQuantizedCommCodec)
+    assert "broken" in qcomm.available_codecs()
+
+
+def test_plugin_that_fails_to_construct(plugins):
+    with pytest.raises(CodecError) as err:
+        qcomm.load_codec("angry")
+    msg = str(err.value)
+    assert "angry-codecs" in msg and "could not be built" in msg and "no GPU found" in msg
+
+
+def test_plugin_returning_a_non_codec(plugins):
+    with pytest.raises(
+        CodecError, match=r"'notacodec'.*other-codecs.*lacks codec member\(s\) encode"
+    ):
+        qcomm.load_codec("notacodec")
+
+
+def test_conflicting_distributions_are_refused(plugins, tmp_path, monkeypatch):
+    second = tmp_path / "second"
+    second.mkdir()
+    make_dist(second, "rival-codecs", "rival_mod", GOOD_CODEC, {"good": "Codec"}, version="0.3")
+    activate(second, monkeypatch)
+    with pytest.raises(CodecError) as err:
+        qcomm.load_codec("good")
+    msg = str(err.value)
+    assert "several distributions" in msg and "good-codecs 1.0" in msg and "rival-codecs 0.3" in msg
+    assert len(qcomm.codec_entries()["good"]) == 2
+    # Neither implementation was imported: nothing is run before it is chosen.
+    assert "good_mod" not in sys.modules and "rival_mod" not in sys.modules
+
+
+def test_allow_list_restricts_distributions(plugins, monkeypatch):
+    monkeypatch.setenv("QCOMM_PLUGINS", "qcomm, Good_Codecs")
+    names = qcomm.available_codecs()
+    assert "good" in names and "int8" in names
+    assert "other" not in names and "broken" not in names
+    with pytest.raises(CodecError, match=r"'other'.*QCOMM_PLUGINS leaves out other-codecs"):
+        qcomm.load_codec("other")
+    assert "other_mod" not in sys.modules
+
+
+# build_registry, in every form
+
+
+def _kinds(registry):
+    return {op: (type(p.forward).__name__, type(p.backward).__name__) for op, p in registry.items()}
+
+
+def test_build_registry_keywords(plugins):
+    registry = qcomm.build_registry(forward="good:scale=2", backward="noop")
+    assert sorted(registry) == ALL_OPS
+    assert all(isinstance(pair, QuantizedCommCodecs) for pair in registry.values())
+    assert _kinds(registry) == {op: ("Codec", "NoOpQuantizedCommCodec") for op in ALL_OPS}
+    # Each op gets its own instance: stateful codecs never share state.
+    forwards = [pair.forward for pair in registry.values()]
+    assert len({id(c) for c in forwards}) == 3
+    assert all(c.scale == 2 for c in forwards)
+
+
+def test_build_registry_keyword_omitted_side_is_noop(plugins):
+    registry = qcomm.build_registry(backward="good")
+    assert _kinds(registry)["POOLED_EMBEDDINGS_ALL_TO_ALL"] == ("NoOpQuantizedCommCodec", "Codec")
+
+
+def test_build_registry_mapping_forms(plugins):
+    custom = qcomm.load_codec("good:scale=3")
+    registry = qcomm.build_registry(
+        {
+            CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL: ("good", "noop"),
+            "pooled_embeddings_reduce_scatter": "noop/good:scale=5",
+            "SEQUENCE_EMBEDDINGS_ALL_TO_ALL": custom,
+        }
+    )
+    assert sorted(registry) == ALL_OPS
+    a2a = registry["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    assert type(a2a.forward).__name__ == "Codec" and isinstance(
+        a2a.backward, NoOpQuantizedCommCodec
+    )
+    assert registry["POOLED_EMBEDDINGS_REDUCE_SCATTER"].backward.scale == 5
+    seq = registry["SEQUENCE_EMBEDDINGS_ALL_TO_ALL"]
+    assert seq.forward is custom and seq.backward is custom
+
+
+def test_build_registry_mapping_accepts_codecs_pair_object(plugins):
+    pair = QuantizedCommCodecs(forward=qcomm.load_codec("good"))
+    registry = qcomm.build_registry({"pooled_embeddings_all_to_all": pair})
+    assert registry == {"POOLED_EMBEDDINGS_ALL_TO_ALL": pair}
+
+
+def test_build_registry_string_form_with_options(plugins):
+    registry = qcomm.build_registry(
+        "pooled_embeddings_all_to_all=good:scale=2,tag=x/noop, POOLED_EMBEDDINGS_REDUCE_SCATTER=good"
+    )
+    assert sorted(registry) == ["POOLED_EMBEDDINGS_ALL_TO_ALL", "POOLED_EMBEDDINGS_REDUCE_SCATTER"]
+    fwd = registry["POOLED_EMBEDDINGS_ALL_TO_ALL"].forward
+    assert (fwd.scale, fwd.tag) == (2, "x")
+    rs = registry["POOLED_EMBEDDINGS_REDUCE_SCATTER"]
+    # A single spec serves both directions, as two instances.
+    assert type(rs.backward).__name__ == "Codec" and rs.forward is not rs.backward
+
+
+def test_build_registry_reads_environment(plugins, monkeypatch):
+    assert qcomm.build_registry() == {}
+    monkeypatch.setenv("QCOMM_CODECS", "sequence_embeddings_all_to_all=good/good:scale=7")
+    registry = qcomm.build_registry()
+    assert list(registry) == ["SEQUENCE_EMBEDDINGS_ALL_TO_ALL"]
+    assert registry["SEQUENCE_EMBEDDINGS_ALL_TO_ALL"].backward.scale == 7
+    # An explicit argument wins over the environment.
+    assert list(qcomm.build_registry({"pooled_embeddings_all_to_all": "noop"})) == [
+        "POOLED_EMBEDDINGS_ALL_TO_ALL"
+    ]
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        (
+            ({"pooled_embeddings_all_2_all": "noop"},),
+            {},
+            "unknown CommOp 'pooled_embeddings_all_2_all'",
+        ),
+        (("pooled_embeddings_all_2_all=noop",), {}, "unknown CommOp 'pooled_embeddings_all_2_all'"),
+        (("noop/noop",), {}, "expected '<op>=<forward>/<backward>'"),
+        (
+            ("pooled_embeddings_all_to_all=noop,pooled_embeddings_all_to_all=noop",),
+            {},
+            "given twice",
+        ),
+        (({"pooled_embeddings_all_to_all": "noop/noop/noop"},), {}, "expected 'forward/backward'"),
+        (({"pooled_embeddings_all_to_all": ("noop",)},), {}, r"\(forward, backward\) pair"),
+        (({"pooled_embeddings_all_to_all": 42},), {}, "codec spec string or an object"),
+        (({"pooled_embeddings_all_to_all": "int9"},), {}, "unknown codec 'int9'"),
+        ((42,), {}, "must be a mapping or a string"),
+        (({},), {"forward": "noop"}, "not both"),
+    ],
+)
+def test_build_registry_errors(plugins, args, kwargs, match):
+    with pytest.raises(CodecError, match=match):
+        qcomm.build_registry(*args, **kwargs)
+
+
+def test_commop_names_and_values():
+    assert [op.name for op in CommOp] == [
+        "POOLED_EMBEDDINGS_ALL_TO_ALL",
+        "POOLED_EMBEDDINGS_REDUCE_SCATTER",
+        "SEQUENCE_EMBEDDINGS_ALL_TO_ALL",
+    ]
+    assert all(op.value == op.name.lower() for op in CommOp)
+    assert (
+        CommOp.parse(" Pooled_Embeddings_Reduce_Scatter ")
+        is CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER
+    )
+
+
+def test_noop_codec_and_default_pair():
+    pair = QuantizedCommCodecs()
+    assert isinstance(pair.forward, NoOpQuantizedCommCodec) and pair.forward is not pair.backward
+    codec = pair.forward
+    assert isinstance(codec, qcomm.QuantizedCommCodec)
+    assert codec.quantized_dtype == torch.float32  # a property, not a method
+    assert codec.padded_size(torch.zeros(2, 3), [3, 5], 1, None) == (5, 0)
+    info = qcomm.codec_info(codec)
+    assert (info.summable, info.rel_error_bound, info.bits_per_element) == (True, 0.0, 32.0)
+
+
+def test_codec_info_defaults_for_foreign_codecs():
+    class Foreign:
+        def quantized_dtype(self):  # TorchRec's no-op codec has it as a method
+            return torch.bfloat16
+
+    info = qcomm.codec_info(Foreign())
+    assert info.name == "Foreign" and info.bits_per_element == 16.0
+    assert not info.summable and info.stateful and info.rel_error_bound == float("inf")
+
+
+def test_awaitable_callbacks_run_once():
+    calls = []
+    waiting = qcomm.NoWait(2)
+    waiting.callbacks.append(lambda x: calls.append(x) or x * 10)
+    assert waiting.wait() == 20 and waiting.wait() == 20
+    assert calls == [2]
+
+
+def test_cli_list(plugins, capsys):
+    assert cli_main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "codec" in out and "distribution" in out
+    assert any(line.split()[:3] == ["other", "other-codecs", "2.5"] for line in out.splitlines())
+    assert "other_mod" not in sys.modules
+
+
+def test_cli_list_details(plugins, capsys):
+    assert cli_main(["list", "--details"]) == 0
+    out = capsys.readouterr().out
+    noop_row = next(line for line in out.splitlines() if line.startswith("noop "))
+    assert noop_row.split()[3:5] == ["32", "yes"]
+    broken_row = next(line for line in out.splitlines() if line.startswith("broken "))
+    assert "error" in broken_row and "no_such_dependency_xyz" in broken_row
