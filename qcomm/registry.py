@@ -26,7 +26,7 @@ from typing import Any
 from stevedore import NamedExtensionManager
 from stevedore.extension import Extension
 
-from qcomm.types import CodecError, CommOp, QuantizedCommCodec, QuantizedCommCodecs
+from qcomm.types import CodecError, CommOp, QuantizedCommCodec, QuantizedCommCodecs, codec_info
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -357,9 +357,10 @@ def build_registry(
     *,
     forward: Any = None,
     backward: Any = None,
+    allow_unsummable_reduce_scatter: bool = False,
 ) -> dict[str, QuantizedCommCodecs]:
     r"""
-    build_registry(codecs: Mapping | str | None = None, *, forward=None, backward=None) -> dict[str, QuantizedCommCodecs]
+    build_registry(codecs: Mapping | str | None = None, *, forward=None, backward=None, allow_unsummable_reduce_scatter=False) -> dict[str, QuantizedCommCodecs]
 
     Builds the per-collective codec registry that TorchRec sharders take as
     ``qcomm_codecs_registry``.
@@ -380,19 +381,35 @@ def build_registry(
     string gives a new codec instance, so stateful codecs built from specs
     never share state; codec objects are used as given.
 
+    .. warning::
+
+        TorchRec's reduce-scatter sums the *wire* tensors of all ranks, which
+        is only right for codecs whose :class:`~qcomm.CodecInfo` says
+        ``summable`` (plain casts: ``noop``, ``fp16``, ``bf16``). A scaled
+        format (``int8``, ``fp8_*``, ``mx4``) or a foreign codec without
+        ``info`` as the forward codec of ``POOLED_EMBEDDINGS_REDUCE_SCATTER``
+        would silently corrupt a TorchRec model, so it is refused unless
+        ``allow_unsummable_reduce_scatter`` is set (right only when the
+        registry feeds :func:`~qcomm.reduce_scatter_pooled`, which handles such
+        codecs with an all-to-all and a local sum). The backward codec of that
+        op travels in an all-gather and may be anything.
+
     Args:
         codecs (Mapping | str, optional): the mapping or string form. Default: ``None``.
         forward (str | QuantizedCommCodec, optional): forward codec for all ops.
             Default: ``None``.
         backward (str | QuantizedCommCodec, optional): backward codec for all
             ops. Default: ``None``.
+        allow_unsummable_reduce_scatter (bool, optional): accept a non-summable
+            forward codec for ``POOLED_EMBEDDINGS_REDUCE_SCATTER`` (see the
+            warning). Default: ``False``.
 
     Returns:
         dict[str, QuantizedCommCodecs]: pairs keyed by ``CommOp.name``.
 
     Raises:
-        CodecError: an unknown op or codec, a malformed spec, or a plugin that
-            cannot be loaded.
+        CodecError: an unknown op or codec, a malformed spec, a plugin that
+            cannot be loaded, or a non-summable reduce-scatter forward codec.
 
     Examples::
 
@@ -404,15 +421,17 @@ def build_registry(
     """
     if codecs is not None and (forward is not None or backward is not None):
         raise CodecError("build_registry: give either 'codecs' or 'forward'/'backward', not both")
+    registry: dict[str, QuantizedCommCodecs] = {}
     if forward is not None or backward is not None:
-        return {
-            op.name: QuantizedCommCodecs(forward=_load_one(forward), backward=_load_one(backward))
-            for op in CommOp
-        }
+        for op in CommOp:
+            registry[op.name] = QuantizedCommCodecs(
+                forward=_load_one(forward), backward=_load_one(backward)
+            )
+        return _checked(registry, allow_unsummable_reduce_scatter)
     if codecs is None:
         codecs = os.environ.get(_CODECS_ENV, "").strip()
         if not codecs:
-            return {}
+            return registry
     if isinstance(codecs, str):
         mapping: Mapping[Any, Any] = _split_registry_string(codecs)
     elif isinstance(codecs, Mapping):
@@ -421,10 +440,30 @@ def build_registry(
         raise CodecError(
             f"build_registry: 'codecs' must be a mapping or a string, got {type(codecs).__name__}"
         )
-    registry: dict[str, QuantizedCommCodecs] = {}
     for key, value in mapping.items():
         op = CommOp.parse(key)
         if op.name in registry:
             raise CodecError(f"build_registry: CommOp {op.name} is given twice")
         registry[op.name] = _load_pair(value, f"build_registry[{op.name}]")
+    return _checked(registry, allow_unsummable_reduce_scatter)
+
+
+def _checked(
+    registry: dict[str, QuantizedCommCodecs], allow_unsummable_reduce_scatter: bool
+) -> dict[str, QuantizedCommCodecs]:
+    pair = registry.get(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name)
+    if pair is None or allow_unsummable_reduce_scatter:
+        return registry
+    info = codec_info(pair.forward)
+    if not info.summable:
+        raise CodecError(
+            f"build_registry: codec {info.name!r} cannot be the forward codec of "
+            f"POOLED_EMBEDDINGS_REDUCE_SCATTER: TorchRec's reduce-scatter sums the wire "
+            f"tensors, and {info.name!r} does not declare them summable (CodecInfo.summable), "
+            f"so the result would be silently wrong. Give that op a summable codec "
+            f"(noop, fp16, bf16), e.g. build_registry({{'pooled_embeddings_all_to_all': "
+            f"'{info.name}', 'pooled_embeddings_reduce_scatter': 'fp16'}}), or pass "
+            f"allow_unsummable_reduce_scatter=True if the registry only feeds "
+            f"qcomm.reduce_scatter_pooled"
+        )
     return registry

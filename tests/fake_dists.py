@@ -11,11 +11,14 @@ import textwrap
 GOOD_CODEC = textwrap.dedent(
     """
     import torch
+    import qcomm
 
     class Codec:
         def __init__(self, scale: float = 1.0, tag: str = ""):
             self.scale = scale
             self.tag = tag
+            # Scaling by a constant is linear, so wire tensors may be summed.
+            self.info = qcomm.CodecInfo(name="good", bits_per_element=32, summable=True)
 
         def encode(self, input_tensor, ctx=None):
             return input_tensor * self.scale

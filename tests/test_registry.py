@@ -290,6 +290,42 @@ def test_build_registry_errors(plugins, args, kwargs, match):
         qcomm.build_registry(*args, **kwargs)
 
 
+class _Unsummable(NoOpQuantizedCommCodec):
+    """Stands for a scaled format: a codec whose wire cannot be summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.info = qcomm.CodecInfo(name="scaled", bits_per_element=8.5, summable=False)
+
+
+class _Foreign:
+    """A codec of someone else's with no ``info``: assumed not summable."""
+
+    encode = NoOpQuantizedCommCodec.encode
+    decode = NoOpQuantizedCommCodec.decode
+    calc_quantized_size = NoOpQuantizedCommCodec.calc_quantized_size
+    create_context = NoOpQuantizedCommCodec.create_context
+    padded_size = NoOpQuantizedCommCodec.padded_size
+    quantized_dtype = torch.float16
+
+
+@pytest.mark.parametrize("codec", [_Unsummable(), _Foreign()])
+def test_unsummable_reduce_scatter_codec_is_refused(codec):
+    rs = "POOLED_EMBEDDINGS_REDUCE_SCATTER"
+    for build in (
+        lambda **kw: qcomm.build_registry(forward=codec, **kw),
+        lambda **kw: qcomm.build_registry({rs: (codec, "noop")}, **kw),
+    ):
+        with pytest.raises(
+            CodecError, match="cannot be the forward codec of POOLED_EMBEDDINGS_REDUCE_SCATTER"
+        ):
+            build()
+        assert build(allow_unsummable_reduce_scatter=True)[rs].forward is codec
+    # Anywhere else, and as the reduce-scatter's backward (an all-gather), it is fine.
+    registry = qcomm.build_registry({"pooled_embeddings_all_to_all": codec, rs: ("noop", codec)})
+    assert registry[rs].backward is codec
+
+
 def test_commop_names_and_values():
     assert [op.name for op in CommOp] == [
         "POOLED_EMBEDDINGS_ALL_TO_ALL",
