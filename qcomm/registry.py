@@ -391,8 +391,9 @@ def build_registry(
         would silently corrupt a TorchRec model, so it is refused unless
         ``allow_unsummable_reduce_scatter`` is set (right only when the
         registry feeds :func:`~qcomm.reduce_scatter_pooled`, which handles such
-        codecs with an all-to-all and a local sum). The backward codec of that
-        op travels in an all-gather and may be anything.
+        codecs with an all-to-all and a local sum). For the same reason the
+        backward codec of that op must keep one wire element per input element
+        (TorchRec all-gathers it into a buffer of the unencoded size).
 
     Args:
         codecs (Mapping | str, optional): the mapping or string form. Default: ``None``.
@@ -400,16 +401,16 @@ def build_registry(
             Default: ``None``.
         backward (str | QuantizedCommCodec, optional): backward codec for all
             ops. Default: ``None``.
-        allow_unsummable_reduce_scatter (bool, optional): accept a non-summable
-            forward codec for ``POOLED_EMBEDDINGS_REDUCE_SCATTER`` (see the
-            warning). Default: ``False``.
+        allow_unsummable_reduce_scatter (bool, optional): accept any codec pair
+            for ``POOLED_EMBEDDINGS_REDUCE_SCATTER`` (see the warning).
+            Default: ``False``.
 
     Returns:
         dict[str, QuantizedCommCodecs]: pairs keyed by ``CommOp.name``.
 
     Raises:
         CodecError: an unknown op or codec, a malformed spec, a plugin that
-            cannot be loaded, or a non-summable reduce-scatter forward codec.
+            cannot be loaded, or a reduce-scatter codec TorchRec cannot carry.
 
     Examples::
 
@@ -464,6 +465,19 @@ def _checked(
             f"(noop, fp16, bf16), e.g. build_registry({{'pooled_embeddings_all_to_all': "
             f"'{info.name}', 'pooled_embeddings_reduce_scatter': 'fp16'}}), or pass "
             f"allow_unsummable_reduce_scatter=True if the registry only feeds "
+            f"qcomm.reduce_scatter_pooled"
+        )
+    # TorchRec all-gathers the backward wire into a buffer shaped like the
+    # unencoded gradient, so the codec must keep one wire element per element.
+    backward = pair.backward
+    if any(backward.calc_quantized_size(n) != n for n in (1, 7, 32, 4096)):
+        name = codec_info(backward).name
+        raise CodecError(
+            f"build_registry: codec {name!r} cannot be the backward codec of "
+            f"POOLED_EMBEDDINGS_REDUCE_SCATTER: TorchRec all-gathers that gradient into a "
+            f"buffer of the unencoded size, and {name!r} changes the element count "
+            f"(calc_quantized_size). Use an element-wise codec there (noop, fp16, bf16), or "
+            f"pass allow_unsummable_reduce_scatter=True if the registry only feeds "
             f"qcomm.reduce_scatter_pooled"
         )
     return registry

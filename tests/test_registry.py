@@ -321,9 +321,30 @@ def test_unsummable_reduce_scatter_codec_is_refused(codec):
         ):
             build()
         assert build(allow_unsummable_reduce_scatter=True)[rs].forward is codec
-    # Anywhere else, and as the reduce-scatter's backward (an all-gather), it is fine.
+    # Anywhere else, and as the reduce-scatter's backward when it keeps the size, it is fine.
     registry = qcomm.build_registry({"pooled_embeddings_all_to_all": codec, rs: ("noop", codec)})
     assert registry[rs].backward is codec
+
+
+class _Shrinking(_Unsummable):
+    """Stands for a block codec whose wire has fewer elements than its input."""
+
+    def calc_quantized_size(self, input_len, ctx=None):
+        return (input_len + 1) // 2 + 4
+
+
+def test_size_changing_reduce_scatter_backward_is_refused():
+    rs = "POOLED_EMBEDDINGS_REDUCE_SCATTER"
+    with pytest.raises(
+        CodecError, match="cannot be the backward codec of POOLED_EMBEDDINGS_REDUCE_SCATTER"
+    ):
+        qcomm.build_registry({rs: ("noop", _Shrinking())})
+    registry = qcomm.build_registry(
+        {rs: ("noop", _Shrinking())}, allow_unsummable_reduce_scatter=True
+    )
+    assert isinstance(registry[rs].backward, _Shrinking)
+    # On the all-to-all ops the backward is an all-to-all of wire splits: any size is fine.
+    assert qcomm.build_registry({"pooled_embeddings_all_to_all": ("noop", _Shrinking())})
 
 
 def test_commop_names_and_values():
