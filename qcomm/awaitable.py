@@ -36,6 +36,7 @@ class Awaitable(abc.ABC, Generic[W]):
     """
 
     def __init__(self) -> None:
+        #: functions applied in order to the result by :meth:`wait`
         self.callbacks: list[Callable[[W], W]] = []
         self._result: object = _NOT_READY
 
