@@ -61,7 +61,7 @@ def _check(args: argparse.Namespace) -> int:
             print(f"FAIL {spec}: {err}")
             status = 1
         else:
-            print(f"ok   {spec}: {report}")
+            print(f"ok   {spec}: {report.summary}")
     return status
 
 

@@ -1,0 +1,277 @@
+r"""
+The ``int8`` codec: row-wise min/max 8-bit quantization in fbgemm's fused
+format (``FloatToFused8BitRowwiseQuantized``), scale and bias in-band.
+
+On CPU it runs fbgemm-gpu's kernel when present; otherwise a torch
+implementation that gives the same bytes (tested bit for bit).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from qcomm import CodecInfo
+from qcomm_builtin._blocks import (
+    BlockContext,
+    block_padded_size,
+    check_block_size,
+    check_wire,
+    flatten_input,
+    num_blocks,
+    pad_to_blocks,
+)
+from qcomm_builtin._fbgemm import fbgemm_ops
+
+__all__ = ["DEFAULT_ROW_DIM", "Int8Codec"]
+
+# fbgemm's quantize_comm.ROW_DIM_DEFAULT, what TorchRec's int8 comms use.
+DEFAULT_ROW_DIM = 32
+
+# fbgemm adds this to the row's range before inverting it (kEpsilon).
+_EPSILON = 1e-8
+_META_BYTES = 8  # float32 scale, float32 bias
+
+
+def _quantize_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
+    # The torch twin of fbgemm's FloatToFused8BitRowwiseQuantized on CPU:
+    # q = round_half_even((x - min) * (255 / (range + 1e-8))), then the
+    # float32 scale range / 255 and bias min. Each float32 operation is the
+    # one fbgemm does, in the same order; divisions are by tensors (torch
+    # turns a division by a Python scalar into a multiply by the reciprocal,
+    # which rounds differently).
+    d = rows.shape[1]
+    # amin and amax apart: on CPU both are several times faster than one
+    # aminmax over short rows.
+    mn, mx = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
+    rng = mx - mn
+    scale = rng / torch.full_like(rng, 255.0)
+    inverse = torch.full_like(rng, 255.0) / (rng + _EPSILON)
+    q = (rows - mn).mul_(inverse).round_().clamp_(0, 255)
+    out[:, :d] = q.nan_to_num_(0.0)
+    out[:, d:] = torch.cat([scale, mn], dim=1).view(torch.uint8)
+    _mark_bad_rows(rng.view(-1), out)
+
+
+def _mark_bad_rows(rng: torch.Tensor, out: torch.Tensor) -> None:
+    # A row holding NaN or +-Inf, or whose max - min overflows float32 (its
+    # `rng`), gets a NaN scale and bias and zero values: it decodes to NaN.
+    bad = ~torch.isfinite(rng)
+    if bool(bad.any()):
+        d = out.shape[1] - _META_BYTES
+        out[bad, :d] = 0
+        nan = torch.full((int(bad.sum()), 2), math.nan, device=out.device)
+        out[bad, d:] = nan.view(torch.uint8)
+
+
+def _quantize_rows_fbgemm(ops: Any, rows: torch.Tensor) -> torch.Tensor:
+    out = ops.FloatToFused8BitRowwiseQuantized(rows)
+    # fbgemm would encode a NaN as the row's minimum. One reduction clears
+    # the common case (amax and amin propagate NaN, and no row's range exceeds
+    # the whole tensor's); fbgemm's kernel is single-threaded, this one is not.
+    if not bool(torch.isfinite(rows.amax() - rows.amin())):
+        _mark_bad_rows(rows.amax(dim=1) - rows.amin(dim=1), out)
+    return out
+
+
+class Int8Codec:
+    r"""
+    The ``int8`` codec: every row of ``row_dim`` consecutive elements is
+    quantized to ``uint8`` between its own minimum and maximum.
+
+    Wire (``uint8``), per row, exactly fbgemm's fused 8-bit row-wise format as
+    its CPU kernel writes it: ``row_dim`` bytes
+    :math:`q_i = \mathrm{round}((x_i - \min) \cdot 255 / (\max - \min + 10^{-8}))`
+    (round half to even), then the float32 scale :math:`(\max - \min)/255` and
+    the float32 bias :math:`\min`, little-endian: ``row_dim + 8`` bytes per row,
+    so :math:`8 + 64/\text{row\_dim}` bits per element. Decoding computes
+    :math:`q_i \cdot \text{scale} + \text{bias}` with one fused multiply-add,
+    as fbgemm does. fbgemm's CUDA kernel pads the values of a row to a
+    multiple of 4 bytes; for ``row_dim`` a multiple of 4 (such as the
+    default) both layouts are the same.
+
+    Any length: a partial last row is padded by repeating its last element
+    (so it keeps its real minimum and maximum) and :meth:`decode` returns
+    whole rows, ``ceil(n / row_dim) * row_dim`` elements; the first ``n`` are
+    the decoded input. Sizes add up for lengths that are multiples of
+    ``row_dim``; :meth:`padded_size` pads pooled embeddings to whole rows.
+
+    Error bound (``info``, a :class:`~qcomm.CodecInfo`), per row with largest
+    magnitude :math:`m`:
+    :math:`|\hat{x} - x| \le (1/255 + 2^{-20})\, m + 1.01 \cdot 10^{-8}` for
+    :math:`|x| \le 2^{126}`: half a step of :math:`(\max - \min)/255 \le 2m/255`,
+    float32 rounding, and fbgemm's :math:`10^{-8}` in the divisor.
+
+    Non-finite input: **propagates row-wise**. A row holding NaN or
+    :math:`\pm\infty` (or whose :math:`\max - \min` overflows float32, which
+    needs :math:`|x| > 1.7 \cdot 10^{38}`) is sent with NaN scale and bias and
+    decodes to all NaN; the other rows are unaffected. (fbgemm alone would
+    encode a NaN as the row's minimum.)
+
+    Args:
+        row_dim (int, optional): elements per row, each row with its own
+            scale and bias. Default: ``32`` (fbgemm's and TorchRec's default).
+
+    Raises:
+        TypeError: if ``row_dim`` is not an int.
+        ValueError: if ``row_dim`` is not positive.
+
+    Examples::
+
+        >>> import torch
+        >>> codec = Int8Codec(row_dim=4)
+        >>> x = torch.tensor([0.0, 1.0, 2.0, 3.0, -1.0, 1.0])
+        >>> wire = codec.encode(x)
+        >>> wire.dtype, wire.numel(), codec.calc_quantized_size(6)
+        (torch.uint8, 24, 24)
+        >>> wire[:4].tolist()
+        [0, 85, 170, 255]
+        >>> [round(v, 4) for v in codec.decode(wire).tolist()]
+        [0.0, 1.0, 2.0, 3.0, -1.0, 1.0, 1.0, 1.0]
+    """
+
+    def __init__(self, row_dim: int = DEFAULT_ROW_DIM) -> None:
+        self._row_dim = check_block_size("row_dim", row_dim)
+        self._row_bytes = self._row_dim + _META_BYTES
+        self.info = CodecInfo(
+            name="int8",
+            bits_per_element=8.0 * self._row_bytes / self._row_dim,
+            summable=False,
+            rel_error_bound=1.0 / 255.0 + 2.0**-20,
+            abs_error_bound=1.01 * _EPSILON,
+            error_block=self._row_dim,
+            max_abs_input=2.0**126,
+        )
+
+    @property
+    def row_dim(self) -> int:
+        r"""
+        row_dim() -> int
+
+        Elements per row (one scale and bias each).
+        """
+        return self._row_dim
+
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        r"""
+        quantized_dtype() -> torch.dtype
+
+        The wire dtype, ``torch.uint8``.
+        """
+        return torch.uint8
+
+    def encode(self, input_tensor: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
+        r"""
+        encode(input_tensor: Tensor, ctx: BlockContext | None = None) -> Tensor
+
+        Quantizes row by row into the fused 8-bit format.
+
+        Args:
+            input_tensor (Tensor): floating-point values, any shape (read
+                flattened, row-major); computed in float32.
+            ctx (BlockContext, optional): ignored. Default: ``None``.
+
+        Returns:
+            Tensor: 1-D ``uint8`` wire of :meth:`calc_quantized_size` bytes.
+
+        Raises:
+            TypeError: if ``input_tensor`` is not a floating-point tensor.
+        """
+        flat = flatten_input(input_tensor, "int8")
+        rows = pad_to_blocks(flat, self._row_dim, edge=True).view(-1, self._row_dim)
+        if rows.shape[0] == 0:
+            return torch.zeros(0, dtype=torch.uint8, device=rows.device)
+        ops = fbgemm_ops() if rows.device.type == "cpu" else None
+        if ops is not None:
+            return _quantize_rows_fbgemm(ops, rows).view(-1)
+        out = torch.empty(rows.shape[0], self._row_bytes, dtype=torch.uint8, device=rows.device)
+        _quantize_rows(rows, out)
+        return out.view(-1)
+
+    def decode(self, input_grad: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
+        r"""
+        decode(input_grad: Tensor, ctx: BlockContext | None = None) -> Tensor
+
+        Dequantizes every row: value times scale plus bias.
+
+        Args:
+            input_grad (Tensor): ``uint8`` wire of whole rows.
+            ctx (BlockContext, optional): ignored. Default: ``None``.
+
+        Returns:
+            Tensor: 1-D float32, ``row_dim`` elements per wire row.
+
+        Raises:
+            ValueError: if ``input_grad`` is not ``uint8`` or its length is not
+                a multiple of ``row_dim + 8``.
+        """
+        wire = check_wire(input_grad, torch.uint8, self._row_bytes, "int8")
+        rows = wire.view(-1, self._row_bytes)
+        d = self._row_dim
+        if rows.shape[0] == 0:
+            return torch.zeros(0, device=rows.device)
+        ops = fbgemm_ops() if rows.device.type == "cpu" else None
+        if ops is not None:
+            return ops.Fused8BitRowwiseQuantizedToFloat(rows).view(-1)
+        scale_bias = rows[:, d:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+        values = rows[:, :d].to(torch.float32)
+        return torch.addcmul(scale_bias[:, 1:], values, scale_bias[:, :1]).view(-1)
+
+    def calc_quantized_size(self, input_len: int, ctx: BlockContext | None = None) -> int:
+        r"""
+        calc_quantized_size(input_len: int, ctx: BlockContext | None = None) -> int
+
+        Wire bytes for ``input_len`` elements: ``row_dim + 8`` per (started) row.
+
+        Args:
+            input_len (int): number of input elements.
+            ctx (BlockContext, optional): ignored. Default: ``None``.
+
+        Returns:
+            int: ``ceil(input_len / row_dim) * (row_dim + 8)``.
+
+        Raises:
+            ValueError: if ``input_len`` is negative.
+        """
+        return num_blocks(input_len, self._row_dim) * self._row_bytes
+
+    def create_context(self) -> BlockContext:
+        r"""
+        create_context() -> BlockContext
+
+        A fresh context; :meth:`padded_size` records every rank's padded width in it.
+        """
+        return BlockContext(row_dim=self._row_dim)
+
+    def padded_size(
+        self,
+        input_tensor: torch.Tensor,
+        dim_per_rank: list[int],
+        my_rank: int,
+        qcomm_ctx: BlockContext | None,
+    ) -> tuple[int, int]:
+        r"""
+        padded_size(input_tensor: Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: BlockContext | None) -> tuple[int, int]
+
+        Pads every rank's embedding width to a multiple of ``row_dim`` and
+        records all of them in ``qcomm_ctx.padded_dim_sum_per_rank``.
+
+        Args:
+            input_tensor (Tensor): the pooled input ``[batch, dim_sum]``.
+            dim_per_rank (list[int]): embedding dim sum of every rank.
+            my_rank (int): this rank.
+            qcomm_ctx (BlockContext, optional): the call's context.
+
+        Returns:
+            tuple[int, int]: ``(padded_dim_sum, padding_size)`` of this rank.
+
+        Raises:
+            ValueError: if the input's width is not ``dim_per_rank[my_rank]``.
+        """
+        return block_padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx, self._row_dim)
+
+    def __repr__(self) -> str:
+        return f"Int8Codec(row_dim={self._row_dim})"
