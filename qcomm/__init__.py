@@ -7,6 +7,7 @@ the three embedding collectives run with a codec on each pass.
 """
 
 from qcomm.awaitable import Awaitable, NoWait
+from qcomm.collectives import all_to_all_pooled, all_to_all_sequence, reduce_scatter_pooled
 from qcomm.registry import (
     CodecEntry,
     available_codecs,
@@ -37,10 +38,13 @@ __all__ = [
     "NoWait",
     "QuantizedCommCodec",
     "QuantizedCommCodecs",
+    "all_to_all_pooled",
+    "all_to_all_sequence",
     "available_codecs",
     "build_registry",
     "codec_entries",
     "codec_info",
     "load_codec",
     "parse_codec_spec",
+    "reduce_scatter_pooled",
 ]

@@ -1,10 +1,71 @@
 r"""
 ``qcomm bench``: what each codec buys in bandwidth and costs in accuracy.
+
+With no arguments it spawns 2 local gloo ranks on the CPU and measures every
+discovered codec: encode and decode throughput against a memory-copy
+roofline, wire size, error against float32, break-even link bandwidth, and the
+three collectives from 64 KiB to 64 MiB. Under ``torchrun`` it uses the
+launcher's ranks, and NCCL when CUDA is there::
+
+    qcomm bench
+    qcomm bench --quick --json out.json --plot out.png
+    qcomm bench --codecs 'int8:row_dim=64,fp16' --sizes 64K,1M --ops pooled
+    torchrun --nproc-per-node 8 -m qcomm.cli bench
+
+The machinery lives in :mod:`qcomm.benchmark`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from qcomm.benchmark.launch import EXIT_CODEC_FAILED, launcher_env, run_distributed, spawn_local
+from qcomm.benchmark.options import (
+    QUICK_SIZES,
+    BenchConfig,
+    parse_ops,
+    parse_size,
+    parse_sizes,
+    split_codec_list,
+)
+from qcomm.registry import parse_codec_spec
+from qcomm.types import CodecError
+
+__all__ = ["add_bench_arguments", "config_from_args", "run_bench"]
+
+_QUICK: dict[str, Any] = {"budget": 0.02, "codec_bytes": 1 << 20, "max_calls": 20}
+
+
+def _as_argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    # argparse prints an ArgumentTypeError's message as it is.
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except (ValueError, CodecError) as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _one_spec(text: str) -> list[str]:
+    parse_codec_spec(text)  # raises on a malformed spec, naming it
+    return [text.strip()]
+
+
+def _positive(kind: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:
+            raise ValueError(f"{name}: expected a positive number, got {text!r}")
+        return value
+
+    return convert
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,19 +76,177 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
     Args:
         parser (argparse.ArgumentParser): the ``bench`` sub-command's parser.
+
+    Examples::
+
+        >>> import argparse
+        >>> parser = argparse.ArgumentParser()
+        >>> add_bench_arguments(parser)
+        >>> parser.parse_args(["--codecs", "int8:row_dim=64,fp16", "--codec", "mx4"]).codecs
+        [['int8:row_dim=64', 'fp16'], ['mx4']]
     """
+    parser.description = (
+        "Measure every codec (or those given): encode/decode throughput against a "
+        "memory-copy roofline, wire size, error against float32, break-even link "
+        "bandwidth, and the three collectives over message sizes. Without a launcher "
+        "it spawns --world-size local gloo ranks; under torchrun it uses the "
+        "launcher's ranks (NCCL on CUDA)."
+    )
+    parser.add_argument(
+        "--codecs",
+        action="append",
+        type=_as_argument(split_codec_list),
+        metavar="SPECS",
+        help="codec specs separated by ',' or ';', e.g. 'int8:row_dim=64,fp16' "
+        "(an item 'key=value' continues the options of the spec before it; ';' always "
+        "separates); repeatable. Default: every discovered codec. noop is always measured.",
+    )
+    parser.add_argument(
+        "--codec",
+        dest="codecs",
+        action="append",
+        type=_as_argument(_one_spec),
+        metavar="SPEC",
+        help="one codec spec, commas belonging to its options; repeatable",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=_as_argument(parse_sizes),
+        metavar="SIZES",
+        help="message sizes per rank (float32 bytes), e.g. 64K,1M,64M. "
+        "Default: 64K,256K,1M,4M,16M,64M (--quick: 64K,1M)",
+    )
+    parser.add_argument(
+        "--ops",
+        type=_as_argument(parse_ops),
+        metavar="OPS",
+        help="collectives: pooled (a2a), reduce_scatter (rs), sequence (seq), or CommOp "
+        "names. Default: all three",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=_as_argument(_positive(int, "--world-size")),
+        metavar="N",
+        help="local ranks to spawn without a launcher (at least 2). Default: 2",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: sizes 64K,1M, a 1 MiB codec tensor, short timing budgets",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    parser.add_argument(
+        "--plot", metavar="PATH", help="draw bandwidth and error plots to this PNG (matplotlib)"
+    )
+    parser.add_argument(
+        "--no-fbgemm",
+        dest="fbgemm",
+        action="store_false",
+        help="leave out fbgemm's codecs and TorchRec's all-to-all",
+    )
+    parser.add_argument(
+        "--codec-size",
+        type=_as_argument(parse_size),
+        metavar="SIZE",
+        help="float32 bytes of the tensor each codec encodes. Default: 16M (--quick: 1M)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=_as_argument(_positive(float, "--budget")),
+        metavar="SECONDS",
+        help="timed seconds per measurement; more repetitions, steadier figures. "
+        "Default: 0.25 (--quick: 0.02)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_as_argument(_positive(float, "--timeout")),
+        default=120.0,
+        metavar="SECONDS",
+        help="seconds a collective may wait for its peers; past it the measurement counts "
+        "as failed, and a rank silent for twice as long plus a minute ends the run. "
+        "Default: 120",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the inputs. Default: 0")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    r"""
+    config_from_args(args: argparse.Namespace) -> BenchConfig
+
+    The run's settings from the parsed options, with the ``--quick`` defaults
+    where an option was not given.
+
+    Args:
+        args (argparse.Namespace): options parsed by a parser that went through
+            :func:`add_bench_arguments`.
+
+    Returns:
+        BenchConfig: the settings.
+
+    Raises:
+        ValueError: if ``--world-size`` is below 2 without a launcher, or
+            contradicts the launcher's ``WORLD_SIZE``; if ``--plot`` is given
+            without matplotlib; if an output's folder does not exist.
+    """
+    quick: dict[str, Any] = dict(_QUICK) if args.quick else {}
+    config = BenchConfig(quick=args.quick, fbgemm=args.fbgemm, timeout=args.timeout, seed=args.seed)
+    if args.codecs:
+        config.codecs = [spec for group in args.codecs for spec in group]
+    if args.sizes:
+        config.sizes = args.sizes
+    elif args.quick:
+        config.sizes = list(QUICK_SIZES)
+    if args.ops:
+        config.ops = [op.value for op in args.ops]
+    config.budget = args.budget or quick.get("budget", config.budget)
+    config.codec_bytes = args.codec_size or quick.get("codec_bytes", config.codec_bytes)
+    config.max_calls = quick.get("max_calls", config.max_calls)
+    if launcher_env():
+        launched = int(os.environ["WORLD_SIZE"])
+        if args.world_size is not None and args.world_size != launched:
+            raise ValueError(
+                f"--world-size: the launcher started {launched} ranks, got {args.world_size}; "
+                f"leave it out under torchrun"
+            )
+        config.world_size = launched
+    elif args.world_size is not None:
+        if args.world_size < 2:
+            raise ValueError(
+                f"--world-size: expected at least 2 local ranks (a collective needs peers), "
+                f"got {args.world_size}"
+            )
+        config.world_size = args.world_size
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot: matplotlib is not installed (pip install matplotlib)")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"{option}: the folder of {path!r} does not exist")
+    config.json_path = os.path.abspath(args.json) if args.json else None
+    config.plot_path = os.path.abspath(args.plot) if args.plot else None
+    return config
 
 
 def run_bench(args: argparse.Namespace) -> int:
     r"""
     run_bench(args: argparse.Namespace) -> int
 
-    Runs ``qcomm bench``.
+    Runs ``qcomm bench``: on the launcher's ranks under ``torchrun``,
+    otherwise on ``--world-size`` spawned local ranks.
 
     Args:
         args (argparse.Namespace): parsed options.
 
     Returns:
-        int: the exit status.
+        int: ``0`` when every codec ran; ``1`` when the run completed but a
+        qcomm codec failed somewhere (shown in the table); ``2`` when the
+        options are wrong or the run could not complete.
     """
-    raise NotImplementedError("qcomm bench is not written yet (issue 6)")
+    try:
+        config = config_from_args(args)
+    except ValueError as err:
+        print(f"qcomm bench: error: {err}", file=sys.stderr)
+        return 2
+    if not launcher_env():
+        return spawn_local(config)
+    status = run_distributed(config)
+    return 1 if status == EXIT_CODEC_FAILED else status

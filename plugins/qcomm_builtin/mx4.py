@@ -1,0 +1,565 @@
+r"""
+The ``mx4`` codec: OCP MXFP4 in fbgemm-gpu's layout (``fp32_to_mx4``), E2M1
+elements two per byte and one shared E8M0 exponent per group.
+
+The wire bytes are those of fbgemm's CPU reference ``py_quantize_mx4`` for
+finite input (tested bit for bit; see :class:`MX4Codec` for the one
+exception), but computed by a vectorized torch implementation that is much
+faster, on any device; fbgemm is not needed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import numbers
+import sys
+from collections.abc import Callable
+
+import torch
+
+from qcomm import CodecInfo
+from qcomm_builtin._blocks import (
+    BlockContext,
+    block_padded_size,
+    check_block_size,
+    check_wire,
+    flatten_input,
+    num_blocks,
+    pad_to_blocks,
+)
+
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "ROUNDING_MODES",
+    "MX4Codec",
+    "decode_mx4",
+    "encode_mx4",
+    "shared_exponents",
+]
+
+# fbgemm's quantize_comm.MX_GROUP_SIZE_DEFAULT, what TorchRec's MX4 comms use.
+DEFAULT_GROUP_SIZE = 32
+
+# fbgemm's RoundingMode members, in the order of their values (0..4). They
+# choose how the shared exponent follows from the group's largest magnitude.
+ROUNDING_MODES = ("nearest", "floor", "even", "stochastic", "ceil")
+
+# E2M1's top binade is [4, 8): E is the group maximum's exponent minus this.
+_EBITS = 2
+_INF_BITS = 0x7F800000
+_NAN_EXPONENT = 255  # E8M0's NaN, which fbgemm never writes (its bytes are 0..252)
+
+# The E2M1 values of the codes 0..15 (bit 3 is the sign). Code 8 decodes to
+# +0.0, not -0.0, as in fbgemm's table (whose "-0" is Python's integer 0).
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_SIGNED = _E2M1 + (0.0,) + tuple(-v for v in _E2M1[1:])
+
+# Elements are rounded to the nearest E2M1 value, ties away from zero (what
+# fbgemm's add-one-then-shift does), and saturate at 6: a magnitude v gets
+# the code counting these thresholds at or below it.
+_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+# Elements per step of the loops over groups. The step's temporaries (at most
+# 16 MiB) are reused from step to step and mostly stay in cache, whereas
+# full-size ones would be page-faulted in afresh on every call, which costs
+# more than the arithmetic. Few, large steps keep the number of parallel
+# regions low, which matters when other processes compete for the cores.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+_HUGE_PAGE = 1 << 21
+_MADV_HUGEPAGE = 14  # Linux's value
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # A large fresh CPU buffer is faulted in page by page on its first write;
+    # with 4 KiB pages that costs more than all the decoding done into it.
+    # Where Linux keeps transparent huge pages for those who ask ("madvise"
+    # mode), asking cuts the faults 512-fold. Advice only: where it is
+    # refused or unknown, nothing changes.
+    out = torch.empty(shape, dtype=dtype, device=device)
+    size = out.numel() * out.element_size()
+    madvise = _madvise() if out.device.type == "cpu" and size >= 4 * _HUGE_PAGE else None
+    if madvise is not None:
+        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+        stop = (out.data_ptr() + size) // _HUGE_PAGE * _HUGE_PAGE
+        madvise(start, stop - start, _MADV_HUGEPAGE)
+    return out
+
+
+@functools.cache
+def _code_table(device: torch.device) -> torch.Tensor:
+    # E2M1 code (sign included) of a scaled float32 v, indexed by its top 11
+    # bits (sign, exponent, 2 mantissa bits): every threshold is a multiple
+    # of 2**21 in float32 bit space, so all floats sharing those bits share
+    # one code. Scaled finite values are below 8, so NaN/Inf buckets are
+    # never used (non-finite groups are overwritten).
+    k = torch.arange(2048, dtype=torch.int32)
+    magnitude = ((k & 1023) << 21).view(torch.float32)
+    thresholds = torch.tensor(_THRESHOLDS, dtype=torch.float32)
+    code = (magnitude.unsqueeze(1) >= thresholds).sum(dim=1).to(torch.int32)
+    code |= (k >> 10) << 3
+    return code.to(torch.uint8).to(device)
+
+
+def _exponent_scales() -> torch.Tensor:
+    # E8M0: byte e means 2**(e - 127), byte 255 means NaN. Built from bits,
+    # so exact; 2**-127 is a float32 subnormal.
+    e = torch.arange(256, dtype=torch.int32)
+    scale = (e << 23).view(torch.float32).clone()
+    scale[0] = 2.0**-127
+    scale[_NAN_EXPONENT] = math.nan
+    return scale
+
+
+@functools.cache
+def _pair_table(device: torch.device) -> torch.Tensor:
+    # The two decoded floats of every (exponent byte, element byte), as one
+    # int64 per entry: entry (e << 8) | b holds value(b & 15) * 2**(e - 127)
+    # then value(b >> 4) * 2**(e - 127), the same float32 products fbgemm
+    # computes (exact: the scales are powers of two). One gather decodes.
+    values = torch.tensor(_E2M1_SIGNED, dtype=torch.float32)
+    b = torch.arange(256)
+    pairs = torch.stack([values[b & 15], values[b >> 4]], dim=1)  # [256, 2]
+    table = pairs.unsqueeze(0) * _exponent_scales().view(256, 1, 1)  # [256, 256, 2]
+    return table.reshape(-1, 2).contiguous().view(torch.int64).reshape(-1).to(device)
+
+
+def shared_exponents(group_max: torch.Tensor, rounding: str) -> torch.Tensor:
+    r"""
+    shared_exponents(group_max: Tensor, rounding: str) -> Tensor
+
+    The shared exponent :math:`E` of every group (scale :math:`2^E`), computed
+    from the groups' largest magnitudes with the same float32 operations, in
+    the same order, as fbgemm's CPU reference.
+
+    With :math:`M` the group maximum (at least :math:`2^{-126}`)
+    and :math:`\ell = \log_2 M` in float32, the exponent before clamping is
+    :math:`\lfloor \ell + 1/2 \rfloor - 2` (``nearest``),
+    :math:`\lfloor \ell \rfloor - 2` (``floor``), :math:`\lceil \ell \rceil - 2`
+    (``ceil``), :math:`\lfloor \log_2 M' \rfloor - 2` where :math:`M'` is
+    :math:`M` with :math:`2^{21} - 1` added to its bits, i.e. rounded to two
+    significant bits (``even``), or with a random number below :math:`2^{22}`
+    added to its bits (``stochastic``, one draw per group from torch's global
+    generator, as fbgemm does); a rounded-up maximum that would carry past the
+    largest float32 stops at infinity (fbgemm's carries into NaN bits). It is
+    then clamped to :math:`[-127, 125]`.
+
+    Args:
+        group_max (Tensor): 1-D float32, the largest magnitude of every group
+            (finite; non-finite groups are handled by the caller).
+        rounding (str): one of ``ROUNDING_MODES``.
+
+    Returns:
+        Tensor: float32, integer-valued, in ``[-127, 125]``.
+
+    Examples::
+
+        >>> shared_exponents(torch.tensor([1.0, 5.0, 7.5, 0.0]), "even").tolist()
+        [-2.0, 0.0, 1.0, -127.0]
+    """
+    # fbgemm replaces a zero maximum by 2**-126; raising every maximum below
+    # 2**-126 to it gives the same exponents (all clamp to -127) in one step.
+    m = torch.clamp(group_max, min=2.0**-126)
+    if rounding == "nearest":
+        e = torch.floor(torch.log2(m) + 0.5)
+    elif rounding == "floor":
+        e = torch.floor(torch.log2(m))
+    elif rounding in ("even", "stochastic"):
+        bump: torch.Tensor | int = (1 << 21) - 1
+        if rounding == "stochastic":
+            bump = torch.randint_like(m, high=2**31 - 1, dtype=torch.int32) & ((1 << 22) - 1)
+        # Rounding a maximum above ~2.9e38 up carries past infinity into NaN
+        # bits; fbgemm then writes the group as zeros. Stopping at infinity
+        # gives the largest exponent instead, so such a group saturates.
+        bits = torch.clamp(m.view(torch.int32) + bump, max=_INF_BITS)
+        e = torch.floor(torch.log2(bits.view(torch.float32)))
+    elif rounding == "ceil":
+        e = torch.ceil(torch.log2(m))
+    else:
+        raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
+    return torch.clamp(e - _EBITS, -127, 125)
+
+
+def encode_mx4(flat: torch.Tensor, group_size: int, rounding: str) -> torch.Tensor:
+    r"""
+    encode_mx4(flat: Tensor, group_size: int, rounding: str) -> Tensor
+
+    Encodes whole groups into the MX4 wire: per group, ``group_size // 2``
+    bytes of E2M1 codes (element :math:`2i` in the low nibble of byte
+    :math:`i`, element :math:`2i+1` in the high one) and then the E8M0
+    exponent byte :math:`E + 127`. A group holding NaN or :math:`\pm\infty`
+    gets zero codes and exponent byte 255 (NaN).
+
+    Args:
+        flat (Tensor): 1-D contiguous float32, a multiple of ``group_size`` long.
+        group_size (int): elements per group, even.
+        rounding (str): one of ``ROUNDING_MODES``.
+
+    Returns:
+        Tensor: 1-D ``uint8``, ``group_size // 2 + 1`` bytes per group.
+
+    Examples::
+
+        >>> encode_mx4(torch.tensor([1.0, -0.5, 6.0, 0.0]), 4, "even").tolist()
+        [146, 7, 127]
+    """
+    half = group_size // 2
+    groups = flat.view(-1, group_size)
+    count = groups.shape[0]
+    out = _empty((count, half + 1), torch.uint8, flat.device)
+    if count == 0:
+        return out.view(-1)
+    step = max(1, _CHUNK_ELEMENTS // group_size)
+    scaled = _empty((min(step, count), group_size), torch.float32, flat.device)
+    # The group maxima first (amax propagates NaN), then every exponent in
+    # one call, exactly as fbgemm computes them.
+    group_max = torch.empty(count, dtype=torch.float32, device=flat.device)
+    for start in range(0, count, step):
+        stop = min(start + step, count)
+        magnitude = torch.abs(groups[start:stop], out=scaled[: stop - start])
+        torch.amax(magnitude, dim=1, out=group_max[start:stop])
+    finite = torch.isfinite(group_max)
+    group_max = torch.where(finite, group_max, 0.0)  # their exponent is replaced below
+    exponent = shared_exponents(group_max, rounding).to(torch.int32)
+    out[:, half] = torch.where(finite, exponent + 127, _NAN_EXPONENT).to(torch.uint8)
+    # Multiplying by 2**-E (a normal float32 for every E) is exact wherever
+    # the product is normal, so it equals fbgemm's division by 2**E; where
+    # it is subnormal both give code 0.
+    inverse = ((127 - exponent) << 23).view(torch.float32).unsqueeze(1)
+    table = _code_table(flat.device)
+    codes = torch.empty(scaled.numel(), dtype=torch.uint8, device=flat.device)
+    packed = torch.empty(scaled.numel() // 2, dtype=torch.int16, device=flat.device)
+    for start in range(0, count, step):
+        stop = min(start + step, count)
+        n = (stop - start) * group_size
+        v = torch.mul(groups[start:stop], inverse[start:stop], out=scaled[: stop - start])
+        bits = v.view(torch.int32).view(-1).bitwise_right_shift_(21).bitwise_and_(2047)
+        c = torch.index_select(table, 0, bits, out=codes[:n])
+        # Two codes as one little-endian int16 (low | high << 8) fold into
+        # the byte low | high << 4; the cast to uint8 keeps the low byte.
+        pair = c.view(torch.int16)
+        p = torch.bitwise_right_shift(pair, 4, out=packed[: n // 2]).bitwise_or_(pair)
+        out[start:stop, :half] = p.view(-1, half)
+    if not bool(finite.all()):
+        out[~finite, :half] = 0
+    return out.view(-1)
+
+
+def decode_mx4(wire: torch.Tensor, group_size: int) -> torch.Tensor:
+    r"""
+    decode_mx4(wire: Tensor, group_size: int) -> Tensor
+
+    Decodes an MX4 wire of whole groups: element value times :math:`2^{e-127}`
+    for exponent byte :math:`e`; byte 255 decodes the whole group to NaN.
+
+    Args:
+        wire (Tensor): 1-D contiguous ``uint8``, a multiple of
+            ``group_size // 2 + 1`` long.
+        group_size (int): elements per group, even.
+
+    Returns:
+        Tensor: 1-D float32, ``group_size`` elements per group.
+
+    Examples::
+
+        >>> decode_mx4(torch.tensor([146, 7, 127], dtype=torch.uint8), 4).tolist()
+        [1.0, -0.5, 6.0, 0.0]
+    """
+    half = group_size // 2
+    groups = wire.view(-1, half + 1)
+    count = groups.shape[0]
+    out = _empty((count * half,), torch.int64, wire.device)
+    if count == 0:
+        return out.view(torch.float32)
+    table = _pair_table(wire.device)
+    rows = out.view(count, half)
+    high = groups[:, half:].to(torch.int32) << 8
+    step = max(1, _CHUNK_ELEMENTS // group_size)
+    index = torch.empty(min(step, count), half, dtype=torch.int32, device=wire.device)
+    for start in range(0, count, step):
+        stop = min(start + step, count)
+        # A plain cast-copy then an add beats one mixed-dtype add.
+        i = index[: stop - start].copy_(groups[start:stop, :half]).add_(high[start:stop])
+        torch.index_select(table, 0, i.view(-1), out=rows[start:stop].view(-1))
+    return out.view(torch.float32)
+
+
+def _check_rounding(rounding: object) -> str:
+    if isinstance(rounding, str) and rounding.strip().lower() in ROUNDING_MODES:
+        return rounding.strip().lower()
+    # fbgemm's RoundingMode is an IntEnum: accept its members and values too.
+    if isinstance(rounding, numbers.Integral) and not isinstance(rounding, bool):
+        if 0 <= int(rounding) < len(ROUNDING_MODES):
+            return ROUNDING_MODES[int(rounding)]
+    raise ValueError(
+        f"rounding must be one of {', '.join(ROUNDING_MODES)} (fbgemm's RoundingMode), "
+        f"got {rounding!r}"
+    )
+
+
+def _error_bound(rounding: str) -> tuple[float, float]:
+    # Relative bound and the max_abs_input it holds up to. Let m = M / 2**E
+    # be the group maximum M after scaling. Elements round to the nearest
+    # E2M1 value, so the error is at most half a step (0.25 below 2, 0.5 in
+    # [2, 4), 1 in [4, 6]), and above 6 it is the saturation v - 6. The worst
+    # error over elements v <= m, divided by m, is at most 0.2 for every m in
+    # [2, 7] (attained at m = 2.5 and m = 5: 5 rounds to 6), and tends to
+    # 0.25 as m nears 8 (7.99 saturates to 6). m < 2 happens only where E is
+    # clamped at -127: errors there are at most 0.25 * 2**-127, the absolute
+    # part of the bound.
+    # - nearest: m in [2*sqrt(2), 4*sqrt(2)); ceil: m in (2, 4]; even
+    #   (two-bit pre-rounding of M): m in (3.5, 7]. Bound 0.2. The clamp
+    #   E <= 125 pushes m toward 8 only for M above 2**127.
+    # - floor: m in [4, 8); stochastic: m in (3, 8). Bound 0.25 everywhere.
+    # float32 log2 may round up near a power of two, which only moves m into
+    # a lower range (m ~ 3.5 or 4), never past these bounds.
+    if rounding in ("floor", "stochastic"):
+        return 0.25, math.inf
+    return 0.2, 2.0**127
+
+
+class MX4Codec:
+    r"""
+    The ``mx4`` codec (OCP MXFP4): every group of ``group_size`` consecutive
+    elements shares one power-of-two scale, and each element travels as a
+    4-bit E2M1 float (values :math:`0, \pm 0.5, \pm 1, \pm 1.5, \pm 2, \pm 3,
+    \pm 4, \pm 6`).
+
+    Wire (``uint8``), per group, exactly fbgemm-gpu's MX4 layout
+    (``fp32_to_mx4``): ``group_size / 2`` bytes of E2M1 codes, element
+    :math:`2i` in the low nibble of byte :math:`i` and element :math:`2i+1` in
+    the high nibble, then one E8M0 byte :math:`E + 127` for the group's scale
+    :math:`2^E`. So :math:`4 + 8/\text{group\_size}` bits per element. Each
+    element is :math:`x / 2^E` rounded to the nearest E2M1 value, ties away
+    from zero, saturating at 6; :math:`E` follows from the group's largest
+    magnitude by the ``rounding`` mode (see :func:`shared_exponents`) and is
+    clamped to :math:`[-127, 125]`. The bytes equal those of fbgemm's CPU
+    reference for finite input (tested bit for bit), for each rounding mode;
+    ``stochastic`` draws from torch's global generator the same way, so with
+    the same seed it gives fbgemm's bytes too. One exception: with ``even``
+    (``stochastic``), a group whose maximum exceeds about
+    :math:`2.98 \cdot 10^{38}` (:math:`2.55 \cdot 10^{38}`) makes fbgemm's
+    pre-rounding carry into NaN bits and it writes the group as zeros; here
+    it gets the largest exponent and saturates. fbgemm's triton kernel (CUDA)
+    takes ``floor``, ``even`` and ``stochastic`` exponents from the float's
+    bits instead of float32 ``log2``: where ``log2`` of the (pre-rounded)
+    maximum rounds up to a whole number, a few ulps below a power of two, its
+    exponent is one lower than here and than fbgemm's CPU reference. This
+    codec runs its own torch code on every device; on CUDA, ``log2`` may
+    differ from the CPU's in the last ulp and so move those rare exponents.
+
+    Rounding modes (``rounding``; fbgemm's ``RoundingMode`` names, or their
+    int values 0-4): ``even`` (default, as in fbgemm's codec) rounds the group
+    maximum to two significant bits first, ``nearest`` rounds :math:`\log_2`
+    of it, ``floor`` and ``ceil`` truncate it, ``stochastic`` adds random
+    noise below the second significant bit and truncates (then
+    ``info`` declares ``stochastic``). Element rounding is always to
+    nearest; fbgemm's separate ``stochastic_casting`` of elements, which its
+    comm codec does not use, is not offered.
+
+    Any length: the input is read flattened (row-major) and a partial last
+    group is padded with zeros, as fbgemm pads; :meth:`decode` returns whole
+    groups, ``ceil(n / group_size) * group_size`` elements, of which the first
+    ``n`` are the decoded input. (fbgemm pads the last dimension of an N-D
+    input row by row instead; the two agree whenever that dimension is a
+    multiple of ``group_size``, which :meth:`padded_size` arranges for
+    TorchRec's pooled embeddings.) Sizes add up for lengths that are multiples
+    of ``group_size``.
+
+    Error bound (``info``), per group with largest magnitude :math:`M`:
+    :math:`|\hat{x} - x| \le r M + 2^{-129}` with :math:`r = 0.2` for
+    ``even``, ``nearest`` and ``ceil`` (for :math:`|x| \le 2^{127}`; above,
+    elements may saturate) and :math:`r = 0.25` for ``floor`` and
+    ``stochastic``. The :math:`2^{-129}` covers groups whose exponent is
+    clamped at :math:`-127` (:math:`M < 2^{-124}`): there magnitudes below
+    :math:`2^{-129}` become zero.
+
+    Non-finite input: **propagates group-wise**. A group holding NaN or
+    :math:`\pm\infty` is sent with zero codes and exponent byte 255 (E8M0's
+    NaN) and decodes to all NaN (an infinity too becomes NaN); other groups
+    are unaffected. Only these groups' bytes differ from fbgemm's, which
+    silently encodes such a group as zeros.
+
+    Args:
+        group_size (int, optional): elements per shared exponent; a positive
+            even number. Default: ``32`` (fbgemm's and TorchRec's default).
+        rounding (str, optional): how the shared exponent is rounded, one of
+            ``"even"``, ``"nearest"``, ``"floor"``, ``"ceil"``,
+            ``"stochastic"``. Default: ``"even"``.
+
+    Raises:
+        TypeError: if ``group_size`` is not an int.
+        ValueError: if ``group_size`` is not a positive even number, or
+            ``rounding`` is not a known mode.
+
+    Examples::
+
+        >>> import torch
+        >>> codec = MX4Codec(group_size=4)
+        >>> x = torch.tensor([1.0, -0.5, 6.0, 0.0, 2.5, 0.1])
+        >>> wire = codec.encode(x)
+        >>> wire.dtype, wire.numel(), codec.calc_quantized_size(6)
+        (torch.uint8, 6, 6)
+        >>> codec.decode(wire).tolist()
+        [1.0, -0.5, 6.0, 0.0, 3.0, 0.0, 0.0, 0.0]
+    """
+
+    def __init__(self, group_size: int = DEFAULT_GROUP_SIZE, rounding: str = "even") -> None:
+        self._group_size = check_block_size("group_size", group_size)
+        if self._group_size % 2:
+            raise ValueError(
+                f"group_size must be a positive even number (two elements per byte), got {group_size}"
+            )
+        self._rounding = _check_rounding(rounding)
+        rel, max_abs = _error_bound(self._rounding)
+        self.info = CodecInfo(
+            name="mx4",
+            bits_per_element=4.0 + 8.0 / self._group_size,
+            summable=False,
+            stochastic=self._rounding == "stochastic",
+            rel_error_bound=rel,
+            abs_error_bound=2.0**-129,
+            error_block=self._group_size,
+            max_abs_input=max_abs,
+        )
+
+    @property
+    def group_size(self) -> int:
+        r"""
+        group_size() -> int
+
+        Elements per shared exponent.
+        """
+        return self._group_size
+
+    @property
+    def rounding(self) -> str:
+        r"""
+        rounding() -> str
+
+        The rounding mode of the shared exponent.
+        """
+        return self._rounding
+
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        r"""
+        quantized_dtype() -> torch.dtype
+
+        The wire dtype, ``torch.uint8``.
+        """
+        return torch.uint8
+
+    def encode(self, input_tensor: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
+        r"""
+        encode(input_tensor: Tensor, ctx: BlockContext | None = None) -> Tensor
+
+        Quantizes group by group into the MX4 wire.
+
+        Args:
+            input_tensor (Tensor): floating-point values, any shape (read
+                flattened, row-major); computed in float32.
+            ctx (BlockContext, optional): ignored. Default: ``None``.
+
+        Returns:
+            Tensor: 1-D ``uint8`` wire of :meth:`calc_quantized_size` bytes.
+
+        Raises:
+            TypeError: if ``input_tensor`` is not a floating-point tensor.
+        """
+        flat = pad_to_blocks(flatten_input(input_tensor, "mx4"), self._group_size)
+        return encode_mx4(flat.contiguous(), self._group_size, self._rounding)
+
+    def decode(self, input_grad: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
+        r"""
+        decode(input_grad: Tensor, ctx: BlockContext | None = None) -> Tensor
+
+        Dequantizes every group: element value times the group's scale.
+
+        Args:
+            input_grad (Tensor): ``uint8`` wire of whole groups.
+            ctx (BlockContext, optional): ignored. Default: ``None``.
+
+        Returns:
+            Tensor: 1-D float32, ``group_size`` elements per wire group.
+
+        Raises:
+            ValueError: if ``input_grad`` is not ``uint8`` or its length is not
+                a multiple of ``group_size // 2 + 1``.
+        """
+        wire = check_wire(input_grad, torch.uint8, self._group_size // 2 + 1, "mx4")
+        return decode_mx4(wire, self._group_size)
+
+    def calc_quantized_size(self, input_len: int, ctx: BlockContext | None = None) -> int:
+        r"""
+        calc_quantized_size(input_len: int, ctx: BlockContext | None = None) -> int
+
+        Wire bytes for ``input_len`` elements: ``group_size // 2 + 1`` per
+        (started) group.
+
+        Args:
+            input_len (int): number of input elements.
+            ctx (BlockContext, optional): ignored. Default: ``None``.
+
+        Returns:
+            int: ``ceil(input_len / group_size) * (group_size // 2 + 1)``.
+
+        Raises:
+            ValueError: if ``input_len`` is negative.
+        """
+        return num_blocks(input_len, self._group_size) * (self._group_size // 2 + 1)
+
+    def create_context(self) -> BlockContext:
+        r"""
+        create_context() -> BlockContext
+
+        A fresh context; :meth:`padded_size` records every rank's padded width in it.
+        """
+        return BlockContext(row_dim=self._group_size)
+
+    def padded_size(
+        self,
+        input_tensor: torch.Tensor,
+        dim_per_rank: list[int],
+        my_rank: int,
+        qcomm_ctx: BlockContext | None,
+    ) -> tuple[int, int]:
+        r"""
+        padded_size(input_tensor: Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: BlockContext | None) -> tuple[int, int]
+
+        Pads every rank's embedding width to a multiple of ``group_size`` and
+        records all of them in ``qcomm_ctx.padded_dim_sum_per_rank``, as
+        TorchRec's MX4 path does.
+
+        Args:
+            input_tensor (Tensor): the pooled input ``[batch, dim_sum]``.
+            dim_per_rank (list[int]): embedding dim sum of every rank.
+            my_rank (int): this rank.
+            qcomm_ctx (BlockContext, optional): the call's context.
+
+        Returns:
+            tuple[int, int]: ``(padded_dim_sum, padding_size)`` of this rank.
+
+        Raises:
+            ValueError: if the input's width is not ``dim_per_rank[my_rank]``.
+        """
+        return block_padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx, self._group_size)
+
+    def __repr__(self) -> str:
+        return f"MX4Codec(group_size={self._group_size}, rounding={self._rounding!r})"

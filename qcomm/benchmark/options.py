@@ -1,0 +1,307 @@
+r"""
+The options of ``qcomm bench``: the size, codec-list and collective
+mini-languages, and :class:`BenchConfig`, the run's settings as every rank
+receives them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+from qcomm.registry import parse_codec_spec
+from qcomm.types import CodecError, CommOp
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "OP_TITLES",
+    "QUICK_SIZES",
+    "BenchConfig",
+    "format_size",
+    "parse_ops",
+    "parse_size",
+    "parse_sizes",
+    "split_codec_list",
+]
+
+_KIB = 1024
+DEFAULT_SIZES = [64 * _KIB * 4**i for i in range(6)]  # 64 KiB, 256 KiB, ..., 64 MiB
+QUICK_SIZES = [64 * _KIB, 1024 * _KIB]
+
+_UNITS = {"": 1, "K": _KIB, "M": _KIB**2, "G": _KIB**3}
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(I?B)?\s*$", re.IGNORECASE)
+
+# How the report names each collective.
+OP_TITLES = {
+    CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.value: "pooled all-to-all",
+    CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value: "reduce-scatter",
+    CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value: "sequence all-to-all",
+}
+
+# Short names accepted beside the CommOp names and values.
+_OP_ALIASES = {
+    "pooled": CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL,
+    "pooled_all_to_all": CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL,
+    "a2a": CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL,
+    "reduce_scatter": CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER,
+    "rs": CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER,
+    "sequence": CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL,
+    "sequence_all_to_all": CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL,
+    "seq": CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL,
+}
+
+
+def parse_size(text: str) -> int:
+    r"""
+    parse_size(text: str) -> int
+
+    A byte count with an optional binary unit: ``65536``, ``64K``, ``64KiB``,
+    ``1M``, ``1G`` (case-insensitive).
+
+    Args:
+        text (str): the size.
+
+    Returns:
+        int: bytes.
+
+    Raises:
+        ValueError: if ``text`` is not a positive whole number with an
+            optional ``K``/``M``/``G`` unit.
+
+    Examples::
+
+        >>> parse_size("64K"), parse_size("1MiB"), parse_size("512")
+        (65536, 1048576, 512)
+    """
+    match = _SIZE.match(text)
+    if not match or int(match.group(1)) <= 0:
+        raise ValueError(f"--sizes: expected a positive size like 64K, 1M or 65536, got {text!r}")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def parse_sizes(text: str) -> list[int]:
+    r"""
+    parse_sizes(text: str) -> list[int]
+
+    A comma-separated list of sizes (see :func:`parse_size`), sorted, repeats
+    dropped.
+
+    Args:
+        text (str): e.g. ``"64K,1M,64M"``.
+
+    Returns:
+        list[int]: bytes, ascending.
+
+    Raises:
+        ValueError: if a size is malformed or the list is empty.
+
+    Examples::
+
+        >>> parse_sizes("1M,64K,1M")
+        [65536, 1048576]
+    """
+    items = [part for part in (p.strip() for p in text.split(",")) if part]
+    if not items:
+        raise ValueError(f"--sizes: expected sizes like 64K,1M,64M, got {text!r}")
+    return sorted({parse_size(item) for item in items})
+
+
+def format_size(size: int) -> str:
+    r"""
+    format_size(size: int) -> str
+
+    A byte count in the largest binary unit that divides it.
+
+    Args:
+        size (int): bytes.
+
+    Returns:
+        str: e.g. ``"64K"``, ``"1M"``, ``"1000"``.
+
+    Examples::
+
+        >>> format_size(65536), format_size(64 << 20), format_size(1000)
+        ('64K', '64M', '1000')
+    """
+    for unit in ("G", "M", "K"):
+        if size >= _UNITS[unit] and size % _UNITS[unit] == 0:
+            return f"{size // _UNITS[unit]}{unit}"
+    return str(size)
+
+
+def split_codec_list(text: str) -> list[str]:
+    r"""
+    split_codec_list(text: str) -> list[str]
+
+    Splits a list of codec specs, whose options also use commas.
+
+    ``;`` always separates specs. Within a ``;``-part, a comma-separated item
+    of the form ``key=value`` (an ``=`` with no ``:`` before it) is one more
+    option of the spec before it; any other item (``name`` or
+    ``name:key=value``) starts a new spec. Codec names hold no ``=`` and option
+    names no ``:``, so this reading is the only one possible.
+
+    Args:
+        text (str): e.g. ``"int8:row_dim=64,stochastic=true,fp16"``.
+
+    Returns:
+        list[str]: one spec per codec, e.g.
+        ``["int8:row_dim=64,stochastic=true", "fp16"]``.
+
+    Raises:
+        CodecError: if the list starts with a bare option, or a spec is
+            malformed (see :func:`~qcomm.parse_codec_spec`).
+
+    Examples::
+
+        >>> split_codec_list("int8:row_dim=64,stochastic=true,fp16;mx4")
+        ['int8:row_dim=64,stochastic=true', 'fp16', 'mx4']
+    """
+    specs: list[str] = []
+    for part in text.split(";"):
+        current: list[str] = []
+        for item in (p.strip() for p in part.split(",")):
+            if not item:
+                continue
+            head = item.partition("=")[0]
+            if "=" in item and ":" not in head:
+                if not current:
+                    raise CodecError(
+                        f"--codecs: option {item!r} in {text!r} comes before any codec name; "
+                        f"expected e.g. 'int8:row_dim=64,fp16'"
+                    )
+                current.append(item)
+                continue
+            if current:
+                specs.append(",".join(current))
+            current = [item]
+        if current:
+            specs.append(",".join(current))
+    for spec in specs:
+        parse_codec_spec(spec)  # raises on a malformed spec, naming it
+    return specs
+
+
+def parse_ops(text: str) -> list[CommOp]:
+    r"""
+    parse_ops(text: str) -> list[CommOp]
+
+    A comma-separated list of collectives: :class:`~qcomm.CommOp` names or
+    values, or the short names ``pooled`` (``a2a``), ``reduce_scatter``
+    (``rs``) and ``sequence`` (``seq``).
+
+    Args:
+        text (str): e.g. ``"pooled,rs"``.
+
+    Returns:
+        list[CommOp]: in :class:`~qcomm.CommOp` order, repeats dropped.
+
+    Raises:
+        ValueError: if an item names no collective, or the list is empty.
+
+    Examples::
+
+        >>> [op.name for op in parse_ops("seq,pooled")]
+        ['POOLED_EMBEDDINGS_ALL_TO_ALL', 'SEQUENCE_EMBEDDINGS_ALL_TO_ALL']
+    """
+    chosen = set()
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        op = _OP_ALIASES.get(item.lower())
+        if op is None:
+            try:
+                op = CommOp.parse(item)
+            except CodecError:
+                known = ", ".join([*_OP_ALIASES, *(m.value for m in CommOp)])
+                raise ValueError(
+                    f"--ops: unknown collective {item!r}; expected one of {known}"
+                ) from None
+        chosen.add(op)
+    if not chosen:
+        raise ValueError(f"--ops: expected collectives like pooled,rs,seq, got {text!r}")
+    return [op for op in CommOp if op in chosen]
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    r"""
+    Everything a rank needs to run its part of ``qcomm bench``; travels to
+    locally spawned ranks as JSON.
+
+    Args:
+        codecs (list[str] | None): codec specs, or ``None`` for every
+            discovered codec. The no-op codec is always measured first: it is
+            the baseline of every speed-up.
+        sizes (list[int]): message sizes in bytes: each rank's float32 buffer.
+        ops (list[str]): :class:`~qcomm.CommOp` values of the collectives.
+        world_size (int): ranks to spawn locally (ignored under a launcher).
+        quick (bool): the smoke-test settings.
+        json_path (str | None): where to write every figure.
+        plot_path (str | None): where to draw the PNG.
+        fbgemm (bool): measure fbgemm's codecs and TorchRec's all-to-all beside.
+        timeout (float): seconds a collective may wait for its peers.
+        budget (float): seconds of timed calls per measurement.
+        codec_bytes (int): float32 bytes of the tensor each codec encodes.
+        max_calls (int): timed calls per measurement at most.
+        seed (int): seed of the random inputs.
+        dim (int): embedding columns per rank in the collectives' inputs.
+    """
+
+    codecs: list[str] | None = None
+    sizes: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_SIZES))
+    ops: list[str] = dataclasses.field(default_factory=lambda: [op.value for op in CommOp])
+    world_size: int = 2
+    quick: bool = False
+    json_path: str | None = None
+    plot_path: str | None = None
+    fbgemm: bool = True
+    timeout: float = 120.0
+    budget: float = 0.25
+    codec_bytes: int = 16 * _KIB**2
+    max_calls: int = 200
+    seed: int = 0
+    dim: int = 128
+
+    def to_json(self) -> str:
+        r"""
+        to_json() -> str
+
+        The configuration as a JSON object.
+
+        Returns:
+            str: JSON text that :meth:`from_json` reads back.
+        """
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchConfig:
+        r"""
+        from_json(text: str) -> BenchConfig
+
+        Reads a configuration written by :meth:`to_json`.
+
+        Args:
+            text (str): JSON text.
+
+        Returns:
+            BenchConfig: the configuration.
+
+        Examples::
+
+            >>> BenchConfig.from_json(BenchConfig(quick=True).to_json()).quick
+            True
+        """
+        data: dict[str, Any] = json.loads(text)
+        return cls(**data)
+
+    @property
+    def comm_ops(self) -> list[CommOp]:
+        r"""
+        comm_ops() -> list[CommOp]
+
+        :attr:`ops` as :class:`~qcomm.CommOp` members.
+        """
+        return [CommOp.parse(op) for op in self.ops]

@@ -1,0 +1,433 @@
+r"""
+What every rank of ``qcomm bench`` does, step by step, and the figures rank 0
+reports.
+
+Each step runs on every rank, then the ranks exchange what happened over the
+control group, so that all of them agree on whether it failed. A codec that
+raises is a failed row of the report; the run goes on. A failed collective
+renews the work group before the next step, since the ranks may have left it
+out of step.
+
+Order of the run: the memory-copy roofline, each codec on its own, then for
+each message size and collective, each implementation and codec; the no-op
+codec comes first, as the baseline of the speed-ups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import qcomm
+from qcomm.benchmark.codecs import Candidate, load_candidates, measure_codec
+from qcomm.benchmark.collectives import (
+    Case,
+    Series,
+    base_input,
+    make_case,
+    qcomm_collective,
+    run_series,
+    torchrec_all_to_all,
+)
+from qcomm.benchmark.launch import EXIT_CODEC_FAILED, Session
+from qcomm.benchmark.metrics import (
+    GB,
+    algorithm_bandwidth,
+    break_even_bandwidth,
+    bus_bandwidth,
+    error_stats,
+)
+from qcomm.benchmark.options import OP_TITLES, BenchConfig, format_size
+from qcomm.benchmark.timing import calls_for_budget, synchronize, time_calls
+from qcomm.types import CommOp, QuantizedCommCodecs, codec_info
+
+__all__ = ["run_rank"]
+
+_Outcome = tuple[list[Any] | None, str | None]
+
+# Timed calls of a collective are split in this many blocks; the median block
+# is reported, so that one block another process interrupted does not count.
+_BLOCKS = 5
+
+
+class _Progress:
+    # tqdm on rank 0's stderr; without tqdm, no bar.
+    def __init__(self, enabled: bool, total: int) -> None:
+        self._bar: Any = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self._bar = tqdm(
+                total=total, desc="qcomm bench", unit="step", file=sys.stderr, dynamic_ncols=True
+            )
+
+    def step(self, label: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=False)
+
+    def done(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _failure(gathered: list[tuple[bool, Any]]) -> str | None:
+    messages = [(rank, str(msg)) for rank, (ok, msg) in enumerate(gathered) if not ok]
+    if not messages:
+        return None
+    if len({msg for _, msg in messages}) == 1 and len(messages) == len(gathered):
+        return messages[0][1]
+    # A rank that fails makes its peers time out in the collective: name the
+    # cause first, the timeouts after it.
+    messages.sort(key=lambda item: "timed out" in item[1].lower())
+    return "; ".join(f"rank {rank}: {msg}" for rank, msg in messages)
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[bool, Any]:
+    try:
+        return True, fn()
+    except Exception as err:  # reported as a failed row; the run goes on
+        return False, f"{type(err).__name__}: {err}"
+
+
+def _agreed(session: Session, fn: Callable[[], Any]) -> _Outcome:
+    gathered = session.gather(_attempt(fn))
+    problem = _failure(gathered)
+    return (None, problem) if problem else ([value for _, value in gathered], None)
+
+
+def _agreed_here(session: Session, fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    # Like _agreed, for a value only this rank needs (e.g. a function).
+    ok, value = _attempt(fn)
+    problem = _failure(session.gather((ok, None if ok else value)))
+    return (None, problem) if problem else (value, None)
+
+
+def _agree_on_loads(session: Session, candidates: list[Candidate]) -> None:
+    for candidate in candidates:
+        devices = codec_info(candidate.codec).devices if candidate.codec is not None else ()
+        if candidate.codec is not None and session.device.type not in devices:
+            candidate.codec = None
+            candidate.error = (
+                f"the codec runs on {', '.join(devices)} (CodecInfo.devices), "
+                f"this run is on {session.device.type}"
+            )
+    # A codec that failed to build on any rank must be left out on all of them.
+    gathered = session.gather([c.error for c in candidates])
+    if len({len(errors) for errors in gathered}) != 1:
+        raise RuntimeError(f"ranks disagree on the codecs to measure: {gathered}")
+    for i, candidate in enumerate(candidates):
+        errors = [(rank, errors[i]) for rank, errors in enumerate(gathered) if errors[i]]
+        if errors and candidate.codec is not None:
+            candidate.codec = None
+            candidate.error = "; ".join(f"rank {rank}: {msg}" for rank, msg in errors)
+
+
+def _codec_row(
+    candidate: Candidate, outcome: _Outcome, n: int, copy_s: float | None
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"codec": candidate.label, "source": candidate.source}
+    figures, problem = outcome
+    if figures is None:
+        return {**row, "status": "failed", "error": problem}
+    first = figures[0]
+    encode_s = max(f["encode_s"] for f in figures)  # the slowest rank sets the pace
+    decode_s = max(f["decode_s"] for f in figures)
+    logical = 4 * n
+    wire = first["wire_bytes"]
+    return {
+        **row,
+        "status": "ok",
+        "error": None,
+        "elements": n,
+        "wire_dtype": first["wire_dtype"],
+        "wire_elements": first["wire_elements"],
+        "calc_quantized_size": first["calc_quantized_size"],
+        "wire_bytes_per_element": wire / n,
+        "bits_per_element": 8 * wire / n,
+        "declared_bits_per_element": first["declared_bits_per_element"],
+        "compression_ratio": logical / wire,
+        "encode_s": encode_s,
+        "decode_s": decode_s,
+        "encode_gbps": logical / encode_s / GB,
+        "decode_gbps": logical / decode_s / GB,
+        # The copy moves the same float32 bytes, so the time ratio is the
+        # throughput ratio.
+        "encode_roofline_fraction": copy_s / encode_s if copy_s else None,
+        "decode_roofline_fraction": copy_s / decode_s if copy_s else None,
+        "max_rel_error": max(f["max_rel_error"] for f in figures),
+        "rms_rel_error": max(f["rms_rel_error"] for f in figures),
+        "sqnr_db": min(f["sqnr_db"] for f in figures),
+        "break_even_gbps": break_even_bandwidth(wire, logical, encode_s, decode_s) / GB,
+    }
+
+
+def _build_series(
+    config: BenchConfig, session: Session, candidates: list[Candidate]
+) -> tuple[dict[CommOp, list[Series]], str | None]:
+    qcomm_codecs = [c for c in candidates if c.source == "qcomm"]
+    fbgemm_codecs = [c for c in candidates if c.source == "fbgemm"]
+    torchrec_reason: str | None = None
+    torchrec_fn: Callable[..., Any] | None = None
+    if config.fbgemm and CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL in config.comm_ops:
+        torchrec_fn, problem = _agreed_here(session, torchrec_all_to_all)
+        torchrec_reason = f"TorchRec is not importable: {problem}" if problem else None
+    series: dict[CommOp, list[Series]] = {}
+    for op in config.comm_ops:
+        fn, problem = _agreed_here(session, lambda op=op: qcomm_collective(op))  # type: ignore[misc]
+        lines = [_series("qcomm", c, fn, problem) for c in qcomm_codecs]
+        if op is CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL and config.fbgemm:
+            if torchrec_fn is not None:
+                lines.append(Series("torchrec", "none", None, torchrec_fn))
+                lines += [_series("torchrec", c, torchrec_fn, None) for c in fbgemm_codecs]
+        series[op] = lines
+    return series, torchrec_reason
+
+
+def _series(
+    impl: str, candidate: Candidate, fn: Callable[..., Any] | None, problem: str | None
+) -> Series:
+    if candidate.codec is None:
+        return Series(impl, candidate.label, None, None, f"codec failed to load: {candidate.error}")
+    pair = QuantizedCommCodecs(forward=candidate.codec, backward=candidate.codec)
+    return Series(impl, candidate.label, pair, fn, problem)
+
+
+def _check_shape(out: torch.Tensor, case: Case) -> torch.Tensor:
+    if out.shape != case.expected.shape:
+        raise RuntimeError(
+            f"output has shape {tuple(out.shape)}, expected {tuple(case.expected.shape)}"
+        )
+    return out
+
+
+def _collective_point(
+    session: Session, config: BenchConfig, series: Series, case: Case
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "op": case.op.value,
+        "impl": series.impl,
+        "codec": series.codec,
+        "label": series.label,
+        "size_bytes": case.size_bytes,
+    }
+    device = session.device
+    # Each series gets its own copy: a codec that wrote into its input would
+    # otherwise corrupt the input of the series after it.
+    case = dataclasses.replace(case, input=case.input.clone())
+
+    def warm_up() -> tuple[float, float]:
+        start = time.perf_counter()
+        out = run_series(series, case, session.work)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        return seconds, error_stats(case.expected, _check_shape(out, case)).max_rel
+
+    warm, problem = _agreed(session, warm_up)
+    if warm is None:
+        if series.call is not None:
+            session.renew_work()
+        return {**row, "status": "failed", "error": problem}
+    calls = calls_for_budget(max(w[0] for w in warm), config.budget, 3, config.max_calls)
+    blocks = min(_BLOCKS, calls)
+    per_block = math.ceil(calls / blocks)
+
+    def timed() -> list[float]:
+        # Blocks of back-to-back calls, as nccl-tests times them; one barrier
+        # before each so that every rank starts together.
+        times = []
+        for _ in range(blocks):
+            torch.distributed.barrier(group=session.work)
+            start = time.perf_counter()
+            for _ in range(per_block):
+                run_series(series, case, session.work)
+            synchronize(device)
+            times.append((time.perf_counter() - start) / per_block)
+        return times
+
+    times, problem = _agreed(session, timed)
+    if times is None:
+        session.renew_work()
+        return {**row, "status": "failed", "error": problem}
+    # A call ends when its slowest rank is done.
+    latency = statistics.median(max(rank[b] for rank in times) for b in range(blocks))
+    algbw = algorithm_bandwidth(case.size_bytes, latency)
+    return {
+        **row,
+        "status": "ok",
+        "error": None,
+        "calls": blocks * per_block,
+        "latency_s": latency,
+        "algbw_gbps": algbw / GB,
+        "busbw_gbps": bus_bandwidth(algbw, session.world_size) / GB,
+        "max_rel_error": max(w[1] for w in warm),
+    }
+
+
+def _add_speedups(rows: list[dict[str, Any]]) -> None:
+    # The baseline of each implementation is its first series: qcomm's no-op
+    # codec, TorchRec without codecs.
+    baseline: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        base = baseline.setdefault(row["impl"], row)
+        row["baseline"] = base["label"]
+        ok = row["status"] == "ok" and base["status"] == "ok"
+        row["speedup"] = base["latency_s"] / row["latency_s"] if ok else None
+
+
+def _measure_codecs(
+    config: BenchConfig, session: Session, candidates: list[Candidate], progress: _Progress
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    n = max(1, config.codec_bytes // 4)
+    generator = torch.Generator().manual_seed(config.seed + 1 + session.rank)
+    x = torch.randn(n, generator=generator).to(session.device)
+    dst = torch.empty_like(x)
+    _step(session, progress, "memory copy")
+    copy, problem = _agreed(
+        session,
+        lambda: time_calls(
+            lambda: dst.copy_(x), session.device, budget=config.budget, max_calls=config.max_calls
+        ),
+    )
+    copy_s = max(copy) if copy else None
+    roofline = {
+        "bytes": 4 * n,
+        "copy_s": copy_s,
+        "copy_gbps": 4 * n / copy_s / GB if copy_s else None,
+        "error": problem,
+    }
+    progress.done()
+    rows = []
+    for candidate in candidates:
+        _step(session, progress, f"codec {candidate.label}")
+        codec = candidate.codec
+        if codec is None:
+            outcome: _Outcome = (None, f"failed to load: {candidate.error}")
+        else:
+            outcome = _agreed(
+                session,
+                lambda codec=codec: measure_codec(  # type: ignore[misc]
+                    codec, x, budget=config.budget, max_calls=config.max_calls
+                ),
+            )
+        rows.append(_codec_row(candidate, outcome, n, copy_s))
+        progress.done()
+    return roofline, rows
+
+
+def _measure_collectives(
+    config: BenchConfig, session: Session, series: dict[CommOp, list[Series]], progress: _Progress
+) -> list[dict[str, Any]]:
+    points = []
+    for size in config.sizes:
+        base = base_input(size, world_size=session.world_size, dim=config.dim, seed=config.seed)
+        for op in config.comm_ops:
+            case = make_case(
+                op, base, rank=session.rank, world_size=session.world_size, device=session.device
+            )
+            rows = []
+            for line in series[op]:
+                title = OP_TITLES[op.value]
+                _step(session, progress, f"{title} {format_size(case.size_bytes)} {line.label}")
+                rows.append(_collective_point(session, config, line, case))
+                progress.done()
+            _add_speedups(rows)
+            points += rows
+    return points
+
+
+def _step(session: Session, progress: _Progress, label: str) -> None:
+    session.beat(label)
+    progress.step(label)
+
+
+def run_rank(config: BenchConfig, session: Session) -> int:
+    r"""
+    run_rank(config: BenchConfig, session: Session) -> int
+
+    Runs every step of ``qcomm bench`` on this rank; rank 0 then prints the
+    table and writes the JSON and plot asked for.
+
+    Args:
+        config (BenchConfig): the run's settings.
+        session (Session): this rank's device and process groups.
+
+    Returns:
+        int: ``0``, or on rank 0 :data:`~qcomm.benchmark.launch.EXIT_CODEC_FAILED`
+        when a qcomm codec failed somewhere.
+    """
+    started = time.time()
+    clock = time.perf_counter()
+    candidates, fbgemm_reason = load_candidates(config.codecs, config.fbgemm)
+    _agree_on_loads(session, candidates)
+    series, torchrec_reason = _build_series(config, session, candidates)
+    total = 1 + len(candidates) + len(config.sizes) * sum(len(s) for s in series.values())
+    progress = _Progress(session.rank == 0, total)
+    try:
+        roofline, codec_rows = _measure_codecs(config, session, candidates, progress)
+        points = _measure_collectives(config, session, series, progress)
+        session.gather(None)  # everyone is done
+    finally:
+        progress.close()
+    if session.rank != 0:
+        return 0
+    results = {
+        "meta": _meta(config, session, started, time.perf_counter() - clock),
+        "roofline": roofline,
+        "codecs": codec_rows,
+        "collectives": points,
+        "unavailable": {"fbgemm": fbgemm_reason, "torchrec": torchrec_reason},
+    }
+    from qcomm.benchmark.report import write_report
+
+    write_report(results, json_path=config.json_path, plot_path=config.plot_path)
+    failed = any(r["status"] != "ok" and r["source"] == "qcomm" for r in codec_rows) or any(
+        p["status"] != "ok" and p["impl"] == "qcomm" for p in points
+    )
+    return EXIT_CODEC_FAILED if failed else 0
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return None
+
+
+def _meta(config: BenchConfig, session: Session, started: float, duration: float) -> dict[str, Any]:
+    return {
+        "qcomm_version": qcomm.__version__,
+        "torch_version": torch.__version__,
+        "fbgemm_gpu_version": _version("fbgemm-gpu") or _version("fbgemm-gpu-cpu"),
+        "torchrec_version": _version("torchrec"),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "duration_s": duration,
+        "backend": session.backend,
+        "device": str(session.device),
+        "world_size": session.world_size,
+        "threads_per_rank": torch.get_num_threads(),
+        "quick": config.quick,
+        "sizes": config.sizes,
+        "ops": config.ops,
+        "dim": config.dim,
+        "codec_elements": max(1, config.codec_bytes // 4),
+        "budget_s": config.budget,
+        "timeout_s": config.timeout,
+    }

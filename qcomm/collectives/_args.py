@@ -1,0 +1,241 @@
+r"""
+Argument checks shared by the collectives, run before any communication.
+
+A mistake on one rank of a collective does not fail alone: the other ranks
+wait for data that never comes, or receive garbage. Everything a rank can
+check about its own call is checked here, so that it raises at once.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qcomm.types import (
+    CodecError,
+    NoOpQuantizedCommCodec,
+    QuantizedCommCodec,
+    codec_info,
+)
+
+_CODEC_MEMBERS = (
+    "encode",
+    "decode",
+    "quantized_dtype",
+    "calc_quantized_size",
+    "create_context",
+    "padded_size",
+)
+
+
+def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
+    r"""
+    resolve_group(group: Any) -> tuple[ProcessGroup, int, int]
+
+    The process group of a call, with this rank and the world size.
+
+    Args:
+        group (Any): a process group, or ``None`` for the default group.
+
+    Returns:
+        tuple[ProcessGroup, int, int]: the group, this process's rank in it
+        and its size.
+
+    Raises:
+        ValueError: if no process group is initialised or this process is not
+            in ``group``.
+        TypeError: if ``group`` is not a process group.
+    """
+    # The default group is looked up late so that importing qcomm never
+    # requires an initialised process group.
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "group: expected an initialised process group, got none "
+            "(call torch.distributed.init_process_group first)"
+        )
+    if group is None:
+        group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+        )
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the given process group")
+    return group, rank, dist.get_world_size(group)
+
+
+def check_input(input: Any, name: str, group: dist.ProcessGroup, ndim: int | None = None) -> None:
+    r"""
+    check_input(input: Any, name: str, group: ProcessGroup, ndim: int | None = None) -> None
+
+    Checks a collective's input tensor: type, dtype, rank and device.
+
+    Args:
+        input (Any): what the caller passed.
+        name (str): the argument's name, for messages.
+        group (ProcessGroup): the call's group (its backend decides the device).
+        ndim (int, optional): the exact number of dimensions required.
+            Default: ``None`` (at least one).
+
+    Raises:
+        TypeError: if ``input`` is not a floating-point tensor.
+        ValueError: if its shape or device does not fit.
+    """
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(input).__name__}")
+    if not input.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {input.dtype}")
+    if ndim is not None and input.dim() != ndim:
+        raise ValueError(
+            f"{name}: expected a {ndim}-D tensor, got {input.dim()}-D of shape {tuple(input.shape)}"
+        )
+    if input.dim() < 1:
+        raise ValueError(f"{name}: expected at least 1 dimension, got a 0-D tensor")
+    backend = str(dist.get_backend(group)).lower()
+    # NCCL moves only CUDA memory; handing it a CPU tensor fails deep inside
+    # the backend (or hangs the peers), so say so here.
+    if backend == "nccl" and input.device.type != "cuda":
+        raise ValueError(
+            f"{name}: the process group's backend is nccl, which needs CUDA tensors; "
+            f"got a tensor on {input.device}"
+        )
+
+
+def check_splits(
+    splits: Any, name: str, world_size: int, total: int | None = None, what: str = ""
+) -> list[int]:
+    r"""
+    check_splits(splits: Any, name: str, world_size: int, total: int | None = None, what: str = "") -> list[int]
+
+    Checks a per-rank split list: one non-negative int per rank, summing to
+    ``total`` if given.
+
+    Args:
+        splits (Any): what the caller passed (a sequence or a 1-D tensor).
+        name (str): the argument's name, for messages.
+        world_size (int): the number of entries required.
+        total (int, optional): the required sum. Default: ``None`` (any).
+        what (str, optional): what ``total`` is, for messages. Default: ``""``.
+
+    Returns:
+        list[int]: the splits as plain ints.
+
+    Raises:
+        TypeError: if ``splits`` or an entry is not an int (``bool`` refused).
+        ValueError: if an entry is negative, or the length or sum is wrong.
+    """
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    if not isinstance(splits, Sequence) or isinstance(splits, str):
+        raise TypeError(
+            f"{name}: expected a list of {world_size} non-negative ints, got {type(splits).__name__}"
+        )
+    out: list[int] = []
+    for i, s in enumerate(splits):
+        if isinstance(s, bool):
+            raise TypeError(f"{name}[{i}]: expected an int, got bool {s!r}")
+        try:
+            value = operator.index(s)
+        except TypeError:
+            raise TypeError(f"{name}[{i}]: expected an int, got {type(s).__name__} {s!r}") from None
+        if value < 0:
+            raise ValueError(f"{name}[{i}]: expected a non-negative int, got {value}")
+        out.append(value)
+    if len(out) != world_size:
+        raise ValueError(
+            f"{name}: expected one entry per rank ({world_size}), got {len(out)}: {out}"
+        )
+    if total is not None and sum(out) != total:
+        raise ValueError(
+            f"{name}: expected entries summing to {what} ({total}), got {sum(out)}: {out}"
+        )
+    return out
+
+
+def check_codec(codec: Any, name: str, device: torch.device) -> None:
+    r"""
+    check_codec(codec: Any, name: str, device: torch.device) -> None
+
+    Checks that ``codec`` follows the codec contract and runs on ``device``.
+
+    Args:
+        codec (Any): the codec object.
+        name (str): the argument's name, for messages.
+        device (torch.device): where the data lives.
+
+    Raises:
+        TypeError: if members of the contract are missing.
+        CodecError: if the codec's ``info`` does not list the device's type.
+    """
+    if not isinstance(codec, QuantizedCommCodec):
+        missing = [m for m in _CODEC_MEMBERS if not hasattr(codec, m)]
+        raise TypeError(
+            f"{name}: expected an object following the qcomm.QuantizedCommCodec contract, "
+            f"got {type(codec).__name__} missing {', '.join(missing)}"
+        )
+    info = codec_info(codec)
+    if device.type not in info.devices:
+        raise CodecError(
+            f"{name}: codec {info.name!r} runs on {', '.join(info.devices)}, "
+            f"got a tensor on {device.type}"
+        )
+
+
+def resolve_codecs(codecs: Any, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
+    r"""
+    resolve_codecs(codecs: Any, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]
+
+    The checked forward and backward codecs of a call.
+
+    Args:
+        codecs (Any): a codec pair (anything with ``forward`` and ``backward``,
+            such as :class:`~qcomm.QuantizedCommCodecs`) or ``None``.
+        dtype (torch.dtype): the input's dtype; with ``codecs=None`` the data
+            travels in it.
+        device (torch.device): where the data lives.
+
+    Returns:
+        tuple[Any, Any]: the forward and the backward codec.
+
+    Raises:
+        TypeError: if ``codecs`` is not a pair or a codec breaks the contract.
+        CodecError: if a codec cannot run on ``device``.
+    """
+    if codecs is None:
+        # Without codecs the data travels in its own dtype, as with a plain
+        # collective: no cast, no extra bytes.
+        return NoOpQuantizedCommCodec(dtype), NoOpQuantizedCommCodec(dtype)
+    if not (hasattr(codecs, "forward") and hasattr(codecs, "backward")):
+        raise TypeError(
+            "codecs: expected a qcomm.QuantizedCommCodecs (an object with forward and "
+            f"backward codecs) or None, got {type(codecs).__name__}"
+        )
+    check_codec(codecs.forward, "codecs.forward", device)
+    check_codec(codecs.backward, "codecs.backward", device)
+    return codecs.forward, codecs.backward
+
+
+def check_flag(value: Any, name: str) -> bool:
+    r"""
+    check_flag(value: Any, name: str) -> bool
+
+    Checks a boolean option.
+
+    Args:
+        value (Any): what the caller passed.
+        name (str): the argument's name, for messages.
+
+    Returns:
+        bool: ``value``.
+
+    Raises:
+        TypeError: if ``value`` is not a ``bool``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return value

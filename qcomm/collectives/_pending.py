@@ -1,0 +1,66 @@
+r"""
+The result of a collective in flight, and its place in the autograd graph.
+
+A collective starts its communication when called and returns a
+:class:`Pending`. Its :meth:`~qcomm.Awaitable.wait` finishes the call (waits,
+decodes, lays out the output) inside an autograd function whose input is the
+collective's input, so the output is connected to the input's graph and its
+backward runs the inverse collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from qcomm.awaitable import Awaitable
+
+
+class _Collective(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        input: torch.Tensor,
+        finish: Callable[[], torch.Tensor],
+        backward: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        ctx.backward_fn = backward
+        return finish()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.backward_fn(grad_output), None, None
+
+
+class Pending(Awaitable[torch.Tensor]):
+    r"""
+    A collective's output, ready after :meth:`~qcomm.Awaitable.wait`.
+
+    Args:
+        input (Tensor): the collective's input; the output's gradient flows to it.
+        finish (Callable[[], Tensor]): waits for the communication and returns
+            the output.
+        backward (Callable[[Tensor], Tensor]): maps the output's gradient to the
+            input's, running the inverse collective.
+    """
+
+    def __init__(
+        self,
+        input: torch.Tensor,
+        finish: Callable[[], torch.Tensor],
+        backward: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        super().__init__()
+        self._input = input
+        self._finish = finish
+        self._backward = backward
+
+    def _wait_impl(self) -> torch.Tensor:
+        output = _Collective.apply(self._input, self._finish, self._backward)
+        # Drop what the call held so that wait() frees the wire buffers.
+        del self._input, self._finish, self._backward
+        return output  # type: ignore[no-any-return]

@@ -1,0 +1,123 @@
+r"""
+The sequence-embedding all-to-all: rows of a ``[N, D]`` tensor go to the
+rank that needs them (TorchRec's ``SEQUENCE_EMBEDDINGS_ALL_TO_ALL``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qcomm.awaitable import Awaitable
+from qcomm.collectives._args import check_input, check_splits, resolve_codecs, resolve_group
+from qcomm.collectives._pending import Pending
+from qcomm.collectives._wire import assemble, exchange_segments
+
+__all__ = ["all_to_all_sequence"]
+
+
+def all_to_all_sequence(
+    input: torch.Tensor,
+    *,
+    input_splits: list[int],
+    output_splits: list[int],
+    group: dist.ProcessGroup | None = None,
+    codecs: Any | None = None,
+) -> Awaitable[torch.Tensor]:
+    r"""
+    all_to_all_sequence(input, *, input_splits, output_splits, group=None, codecs=None) -> Awaitable[Tensor]
+
+    All-to-all of rows (sequence embeddings), encoded with a codec on each pass.
+
+    Rank :math:`k` sends ``input_splits[r]`` consecutive rows to rank
+    :math:`r`, in rank order; rank :math:`r` receives ``output_splits[k]``
+    rows from rank :math:`k`, in rank order, so ``output_splits[k]`` on rank
+    :math:`r` must equal ``input_splits[r]`` on rank :math:`k`.
+
+    Each rank's block is padded at its end to what the codec's
+    :meth:`~qcomm.QuantizedCommCodec.padded_size` asks for (the block seen as
+    one row), encoded on its own, and the padding is stripped after decoding.
+    The gradient goes back through the reverse all-to-all encoded with the
+    backward codec.
+
+    .. note::
+        Every rank of ``group`` must make the same sequence of calls with
+        matching splits, the same trailing shape and the same codecs, and
+        must run the backward pass if any rank does.
+
+    .. warning::
+        With a codec that returns its input (the no-op codec), the input's
+        memory is sent as it is: do not modify ``input`` in place before
+        :meth:`~qcomm.Awaitable.wait`.
+
+    Args:
+        input (Tensor): ``[sum(input_splits), D]`` floating-point rows (any
+            trailing shape travels with its row).
+        input_splits (list[int]): rows sent to every rank.
+        output_splits (list[int]): rows received from every rank.
+        group (ProcessGroup, optional): the process group. Default: ``None``
+            (the default group).
+        codecs (QuantizedCommCodecs, optional): the forward and backward
+            codecs. Default: ``None`` (no-op codecs; the data travels in its
+            own dtype).
+
+    Returns:
+        Awaitable[Tensor]: the ``[sum(output_splits), D]`` rows, in ``input``'s
+        dtype, after :meth:`~qcomm.Awaitable.wait`.
+
+    Raises:
+        TypeError: if ``input`` is not a floating-point tensor, a split list
+            holds something other than ints, or a codec does not follow the
+            contract.
+        ValueError: if shapes and split lists disagree, or the device does not
+            suit the backend.
+        CodecError: if a codec breaks its contract or cannot run on the device.
+
+    Examples::
+
+        >>> import torch, torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> x = torch.arange(6.0).view(3, 2)
+        >>> all_to_all_sequence(x, input_splits=[3], output_splits=[3]).wait().equal(x)
+        True
+        >>> dist.destroy_process_group()
+    """
+    pg, rank, world = resolve_group(group)
+    check_input(input, "input", pg)
+    sends = check_splits(input_splits, "input_splits", world, input.shape[0], "input.shape[0]")
+    recvs = check_splits(output_splits, "output_splits", world)
+    forward, backward = resolve_codecs(codecs, input.dtype, input.device)
+    rest = tuple(input.shape[1:])
+    finish = _start(input.detach(), sends, recvs, rest, forward, rank, pg)
+
+    def backward_fn(grad: torch.Tensor) -> torch.Tensor:
+        return _start(grad, recvs, sends, rest, backward, rank, pg)()
+
+    return Pending(input, finish, backward_fn)
+
+
+def _start(
+    x: torch.Tensor,
+    send_rows: list[int],
+    recv_rows: list[int],
+    rest: tuple[int, ...],
+    codec: Any,
+    rank: int,
+    group: dist.ProcessGroup,
+) -> Callable[[], torch.Tensor]:
+    width = math.prod(rest)
+    dtype = x.dtype
+    shape = (sum(recv_rows), *rest)
+    return exchange_segments(
+        x.reshape(-1),
+        [n * width for n in send_rows],
+        [n * width for n in recv_rows],
+        codec,
+        rank,
+        group,
+        lambda whole, blocks: assemble(whole, blocks, shape, dtype),
+    )

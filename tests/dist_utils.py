@@ -1,0 +1,204 @@
+"""Run a function on N local ranks, each in its own spawned process.
+
+    from dist_utils import run_ranks
+
+    def check(rank: int, world_size: int, n: int) -> float:
+        # a process group is initialised here: gloo over a FileStore
+        x = torch.full((n,), float(rank))
+        dist.all_reduce(x)
+        return x[0].item()
+
+    def test_sum() -> None:
+        assert run_ranks(check, 3, 4) == [3.0, 3.0, 3.0]
+
+``fn`` must be importable by the child processes (a module-level function of
+a test module or helper, not a lambda or closure); its extra arguments and
+its result are pickled. Each call spawns fresh processes, which costs a
+second or two of imports, so check many things per call.
+
+Failures never pass silently and nothing hangs:
+
+- an exception on any rank raises :class:`RankFailure` in the caller, with
+  every failing rank's traceback in the message (``.tracebacks``) and the
+  original exception objects where they pickle (``.exceptions``);
+- a rank that dies without reporting (crash, ``os._exit``) is a failure too;
+- once one rank has failed, the others get ``grace`` seconds to report (they
+  are often stuck in a collective waiting for it), then are killed;
+- the whole run is killed after ``timeout`` seconds (``TimeoutError``), and
+  the process group's own ``pg_timeout`` makes a stuck collective raise
+  inside the ranks well before that.
+
+The rendezvous is a :class:`torch.distributed.FileStore` in a fresh temporary
+directory, so runs never collide on ports.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RankFailure", "run_ranks"]
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised (or died); the message has their tracebacks."""
+
+    def __init__(self, tracebacks: dict[int, str], exceptions: dict[int, BaseException | None]):
+        self.tracebacks = tracebacks
+        self.exceptions = exceptions
+        parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(tracebacks.items())]
+        super().__init__(f"{len(tracebacks)} rank(s) failed:\n" + "\n".join(parts))
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    backend: str,
+    pg_timeout: float,
+    threads: int,
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(threads)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        # Pickle here, with the plain pickler: the queue's own pickler would
+        # hand tensors over through shared memory that dies with this process.
+        results.put((rank, True, pickle.dumps(value), None))
+    except BaseException as err:
+        text = traceback.format_exc()
+        try:
+            blob: bytes | None = pickle.dumps(err)
+        except Exception:
+            blob = None
+        results.put((rank, False, text, blob))
+
+
+def _unpickle(blob: bytes | None) -> BaseException | None:
+    if blob is None:
+        return None
+    try:
+        err = pickle.loads(blob)
+    except Exception:
+        return None
+    return err if isinstance(err, BaseException) else None
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    grace: float = 5.0,
+    backend: str = "gloo",
+    threads: int = 1,
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+
+    Args:
+        fn: a module-level function; runs with the default process group
+            initialised (``backend`` over a FileStore).
+        world_size: number of ranks (processes).
+        *args: extra arguments for ``fn``, pickled.
+        timeout: seconds after which every rank still running is killed and
+            ``TimeoutError`` is raised.
+        pg_timeout: the process group's timeout, after which a collective
+            that waits for a peer raises inside the rank.
+        grace: seconds the other ranks get to report after one has failed.
+        backend: the ``torch.distributed`` backend.
+        threads: ``torch.set_num_threads`` in each rank (keep it small: the
+            ranks share the machine's cores).
+
+    Returns:
+        The values ``fn`` returned, indexed by rank.
+
+    Raises:
+        RankFailure: if any rank raised or died.
+        TimeoutError: if the ranks did not all finish within ``timeout``.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    workdir = tempfile.mkdtemp(prefix="qcomm-ranks-")
+    store_path = os.path.join(workdir, "store")
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, store_path, backend, pg_timeout, threads, args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    values: dict[int, Any] = {}
+    tracebacks: dict[int, str] = {}
+    exceptions: dict[int, BaseException | None] = {}
+    dead_since: dict[int, float] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed_at: float | None = None
+        while len(values) + len(tracebacks) < world_size:
+            now = time.monotonic()
+            if tracebacks and failed_at is None:
+                failed_at = now
+                deadline = min(deadline, now + grace)
+            if now >= deadline:
+                break
+            try:
+                rank, ok, payload, blob = results.get(timeout=min(0.2, deadline - now))
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r in values or r in tracebacks or p.is_alive():
+                        continue
+                    # Its last message may still be in the pipe: wait a
+                    # moment before declaring it dead without a word.
+                    first = dead_since.setdefault(r, now)
+                    if now - first > 2.0:
+                        tracebacks[r] = f"rank {r} exited with code {p.exitcode} without reporting"
+                        exceptions[r] = None
+                continue
+            if ok:
+                values[rank] = pickle.loads(payload)
+            else:
+                tracebacks[rank] = payload
+                exceptions[rank] = _unpickle(blob)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        results.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    if tracebacks:
+        raise RankFailure(tracebacks, exceptions)
+    if len(values) < world_size:
+        missing = [r for r in range(world_size) if r not in values]
+        raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
+    return [values[r] for r in range(world_size)]

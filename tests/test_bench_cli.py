@@ -1,0 +1,443 @@
+"""`qcomm bench`: one quick run on 2 local gloo ranks checked figure by figure,
+the pure functions behind the figures against hand-computed values, and the
+option parsing and failure paths of the command."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import pathlib
+
+import pytest
+import torch
+from fake_dists import activate, make_dist
+
+import qcomm
+from qcomm import CodecError, CommOp, codec_info
+from qcomm.bench import config_from_args
+from qcomm.benchmark.collectives import base_input, make_case
+from qcomm.benchmark.launch import spawn_local
+from qcomm.benchmark.metrics import (
+    algorithm_bandwidth,
+    break_even_bandwidth,
+    bus_bandwidth,
+    error_stats,
+    sqnr_db,
+)
+from qcomm.benchmark.options import (
+    QUICK_SIZES,
+    BenchConfig,
+    format_size,
+    parse_ops,
+    parse_size,
+    parse_sizes,
+    split_codec_list,
+)
+from qcomm.benchmark.report import jsonable
+from qcomm.benchmark.timing import calls_for_budget
+from qcomm.cli import build_parser
+from qcomm.cli import main as cli_main
+
+WORLD_SIZE = 2
+OPS = [op.value for op in CommOp]
+CODEC_FIGURES = [
+    "wire_bytes_per_element",
+    "bits_per_element",
+    "compression_ratio",
+    "encode_gbps",
+    "decode_gbps",
+    "encode_roofline_fraction",
+    "decode_roofline_fraction",
+    "max_rel_error",
+    "rms_rel_error",
+    "sqnr_db",
+    "break_even_gbps",
+]
+POINT_FIGURES = ["latency_s", "algbw_gbps", "busbw_gbps", "speedup", "max_rel_error"]
+
+# Two codecs that must show up as failed rows, not end the run: one whose
+# plugin cannot be imported, one that raises when it encodes.
+CRASHY_CODEC = """
+import torch
+
+class Codec:
+    def encode(self, input_tensor, ctx=None):
+        raise RuntimeError("crashy encode")
+
+    def decode(self, input_grad, ctx=None):
+        return input_grad
+
+    @property
+    def quantized_dtype(self):
+        return torch.float32
+
+    def calc_quantized_size(self, input_len, ctx=None):
+        return input_len
+
+    def create_context(self):
+        return None
+
+    def padded_size(self, input_tensor, dim_per_rank, my_rank, qcomm_ctx):
+        return dim_per_rank[my_rank], 0
+"""
+
+
+# A codec that fails on rank 1 only: rank 0 is left waiting in the collective.
+LOPSIDED_CODEC = CRASHY_CODEC.replace(
+    'raise RuntimeError("crashy encode")',
+    'if __import__("os").environ["RANK"] == "1":\n            raise RuntimeError("rank 1 only")\n'
+    "        return input_tensor",
+)
+
+
+def _strict_json(path: pathlib.Path) -> dict:
+    def refuse(name: str) -> None:
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One `qcomm bench --quick` on every discovered codec plus two broken ones."""
+    root = tmp_path_factory.mktemp("bench_plugins")
+    make_dist(
+        root,
+        "bench-broken",
+        "bench_broken_mod",
+        "import no_such_module_xyz\n",
+        {"bench_unloadable": "Codec"},
+    )
+    make_dist(root, "bench-crashy", "bench_crashy_mod", CRASHY_CODEC, {"bench_crashy": "Codec"})
+    out = tmp_path_factory.mktemp("bench_out")
+    with pytest.MonkeyPatch.context() as mp:
+        activate(root, mp)
+        # The ranks are separate processes: they find the plugins on PYTHONPATH.
+        mp.setenv("PYTHONPATH", str(root), prepend=":")
+        mp.delenv("QCOMM_PLUGINS", raising=False)
+        names = qcomm.available_codecs()
+        status = cli_main(
+            ["bench", "--quick", "--json", str(out / "out.json"), "--plot", str(out / "out.png")]
+        )
+    return status, names, _strict_json(out / "out.json"), out / "out.png"
+
+
+def _positive_finite(row: dict, keys: list[str], where: str) -> None:
+    for key in keys:
+        value = row.get(key)
+        assert isinstance(value, (int, float)), f"{where}: {key} is {value!r}"
+        assert math.isfinite(value) and value > 0, f"{where}: {key} = {value!r}"
+
+
+def test_quick_run_completes_and_reports_the_broken_codecs(quick_run):
+    status, names, results, _ = quick_run
+    assert status == 1  # completed, with failed qcomm codecs
+    rows = {r["codec"]: r for r in results["codecs"]}
+    assert [r["codec"] for r in results["codecs"] if r["source"] == "qcomm"][0] == "noop"
+    assert {r["codec"] for r in results["codecs"] if r["source"] == "qcomm"} == set(names)
+    assert rows["bench_unloadable"]["status"] == "failed"
+    assert "no_such_module_xyz" in rows["bench_unloadable"]["error"]
+    assert rows["bench_crashy"]["status"] == "failed"
+    assert "crashy encode" in rows["bench_crashy"]["error"]
+    for broken in ("bench_unloadable", "bench_crashy"):
+        points = [p for p in results["collectives"] if p["codec"] == broken]
+        assert len(points) == len(OPS) * len(QUICK_SIZES)
+        assert all(p["status"] == "failed" and p["error"] for p in points)
+
+
+def test_quick_run_meta(quick_run):
+    _, _, results, _ = quick_run
+    meta = results["meta"]
+    assert meta["world_size"] == WORLD_SIZE
+    assert meta["backend"] == "gloo" and meta["device"] == "cpu"
+    assert meta["sizes"] == QUICK_SIZES and meta["ops"] == OPS and meta["quick"] is True
+    assert 0 < meta["duration_s"] < 600
+    _positive_finite(results["roofline"], ["copy_s", "copy_gbps"], "roofline")
+    assert set(results["units"]) >= {"busbw_gbps", "break_even_gbps", "max_rel_error"}
+
+
+def _working_codecs(names: list[str]) -> list[str]:
+    return [n for n in names if not n.startswith("bench_")]
+
+
+def test_quick_run_codec_figures(quick_run):
+    _, names, results, _ = quick_run
+    rows = {r["codec"]: r for r in results["codecs"]}
+    copy_gbps = results["roofline"]["copy_gbps"]
+    for name in _working_codecs(names):
+        row = rows[name]
+        assert row["status"] == "ok", f"{name}: {row['error']}"
+        n = row["elements"]
+        codec = qcomm.load_codec(name)
+        expected = codec.calc_quantized_size(n, codec.create_context())
+        assert row["wire_elements"] == row["calc_quantized_size"] == expected
+        itemsize = torch.empty(0, dtype=getattr(torch, row["wire_dtype"])).element_size()
+        assert row["wire_bytes_per_element"] == pytest.approx(expected * itemsize / n)
+        assert row["bits_per_element"] == pytest.approx(8 * row["wire_bytes_per_element"])
+        assert row["compression_ratio"] == pytest.approx(4 / row["wire_bytes_per_element"])
+        assert row["declared_bits_per_element"] == codec_info(codec).bits_per_element
+        logical, wire = 4 * n, row["wire_bytes_per_element"] * n
+        assert row["encode_gbps"] == pytest.approx(logical / row["encode_s"] / 1e9)
+        assert row["encode_roofline_fraction"] == pytest.approx(row["encode_gbps"] / copy_gbps)
+        assert row["decode_roofline_fraction"] == pytest.approx(row["decode_gbps"] / copy_gbps)
+        assert row["break_even_gbps"] == pytest.approx(
+            break_even_bandwidth(wire, logical, row["encode_s"], row["decode_s"]) / 1e9
+        )
+        if name == "noop":
+            assert row["max_rel_error"] == 0 and row["rms_rel_error"] == 0
+            assert row["sqnr_db"] is None  # infinite: exact
+            assert row["compression_ratio"] == 1 and row["break_even_gbps"] == 0
+            continue
+        _positive_finite(row, CODEC_FIGURES, name)
+        assert row["sqnr_db"] == pytest.approx(-20 * math.log10(row["rms_rel_error"]))
+        # The declared bound |e_i| <= rel * s_i + abs, with every scale s_i at
+        # most max|x| and max|x| > 1 for 2**18 normal samples, gives:
+        info = codec_info(codec)
+        assert row["max_rel_error"] <= info.rel_error_bound + info.abs_error_bound, name
+
+
+def test_quick_run_fbgemm_rows(quick_run):
+    _, names, results, _ = quick_run
+    if results["unavailable"]["fbgemm"]:
+        pytest.skip(results["unavailable"]["fbgemm"])
+    rows = {r["codec"]: r for r in results["codecs"] if r["source"] == "fbgemm"}
+    assert set(rows) == {"fbgemm:fp16", "fbgemm:bf16", "fbgemm:int8", "fbgemm:fp8", "fbgemm:mx4"}
+    qcomm_rows = {r["codec"]: r for r in results["codecs"]}
+    for label, row in rows.items():
+        if row["status"] != "ok":
+            assert row["error"], label  # e.g. fbgemm's tensor-wise FP8 wants 2-D input on CPU
+            continue
+        _positive_finite(row, CODEC_FIGURES, label)
+    # fbgemm's fp16 and bf16 are the same casts as qcomm's: the same error.
+    for fmt in ("fp16", "bf16"):
+        assert rows[f"fbgemm:{fmt}"]["max_rel_error"] == pytest.approx(
+            qcomm_rows[fmt]["max_rel_error"], rel=1e-6
+        )
+
+
+@functools.cache
+def _extremes(op: CommOp, size: int) -> tuple[float, float]:
+    """Largest input magnitude over the ranks, smallest max|expected output|."""
+    base = base_input(size, world_size=WORLD_SIZE, dim=128, seed=0)
+    cpu = torch.device("cpu")
+    cases = [
+        make_case(op, base, rank=r, world_size=WORLD_SIZE, device=cpu) for r in range(WORLD_SIZE)
+    ]
+    largest_input = max(c.input.abs().max().item() for c in cases)
+    return largest_input, min(c.expected.abs().max().item() for c in cases)
+
+
+def _collective_bound(info: qcomm.CodecInfo, op: CommOp, size: int) -> float:
+    """Largest max_rel_error the declared bound allows for `op` on the bench's inputs.
+
+    Each output element is the sum of `terms` decoded values; each decoded
+    value is off by at most rel * s + abs, s at most the sender's max|input|.
+    A summable codec summed on the wire rounds the sum once more (rel * |sum|).
+    """
+    largest_input, smallest_output = _extremes(op, size)
+    terms = WORLD_SIZE if op is CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER else 1
+    bound = terms * (info.rel_error_bound * largest_input + info.abs_error_bound) / smallest_output
+    if info.summable and terms > 1:
+        bound += info.rel_error_bound
+    return bound
+
+
+def test_quick_run_collective_figures(quick_run):
+    _, names, results, _ = quick_run
+    points = {(p["op"], p["label"], p["size_bytes"]): p for p in results["collectives"]}
+    for op in OPS:
+        for size in QUICK_SIZES:
+            noop = points[(op, "noop", size)]
+            assert noop["status"] == "ok", noop["error"]
+            assert noop["speedup"] == 1.0 and noop["baseline"] == "noop"
+            # Float32 moved as is (a sum of two floats is exact in any order).
+            assert noop["max_rel_error"] == 0.0
+            for name in _working_codecs(names):
+                p = points[(op, name, size)]
+                where = f"{op} {format_size(size)} {name}"
+                assert p["status"] == "ok", f"{where}: {p['error']}"
+                _positive_finite(p, ["latency_s", "algbw_gbps", "busbw_gbps", "speedup"], where)
+                assert p["calls"] >= 3
+                assert p["algbw_gbps"] == pytest.approx(size / p["latency_s"] / 1e9)
+                # nccl-tests: busbw = algbw * (n - 1) / n for all-to-all and reduce-scatter.
+                assert p["busbw_gbps"] == pytest.approx(p["algbw_gbps"] / 2)
+                assert p["speedup"] == pytest.approx(noop["latency_s"] / p["latency_s"])
+                info = codec_info(qcomm.load_codec(name))
+                bound = _collective_bound(info, CommOp(op), size)
+                assert 0 <= p["max_rel_error"] <= bound, where
+
+
+def test_quick_run_torchrec_rows(quick_run):
+    _, _, results, _ = quick_run
+    if results["unavailable"]["torchrec"] or results["unavailable"]["fbgemm"]:
+        pytest.skip(results["unavailable"]["torchrec"] or results["unavailable"]["fbgemm"])
+    op = CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.value
+    torchrec = [p for p in results["collectives"] if p["impl"] == "torchrec"]
+    assert {p["op"] for p in torchrec} == {op}
+    labels = {p["label"] for p in torchrec}
+    assert labels >= {"torchrec[none]", "torchrec[fbgemm:int8]", "torchrec[fbgemm:fp16]"}
+    for p in torchrec:
+        assert p["baseline"] == "torchrec[none]"
+        if p["status"] != "ok":
+            assert p["error"]
+            continue
+        _positive_finite(p, ["latency_s", "busbw_gbps", "speedup"], p["label"])
+        if p["codec"] == "none":
+            assert p["speedup"] == 1.0 and p["max_rel_error"] == 0.0
+    # TorchRec's int8 through its own all-to-all errs like fbgemm's int8 codec on its own.
+    int8 = {p["size_bytes"]: p for p in torchrec if p["codec"] == "fbgemm:int8"}
+    assert all(p["status"] == "ok" and p["max_rel_error"] < 0.01 for p in int8.values())
+
+
+def test_quick_run_plot_is_a_png(quick_run):
+    _, _, _, png = quick_run
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 20_000  # four panels of lines and points, not an empty canvas
+
+
+def test_a_codec_failing_on_one_rank_times_out_and_the_run_goes_on(tmp_path, monkeypatch):
+    make_dist(
+        tmp_path, "bench-lopsided", "bench_lopsided_mod", LOPSIDED_CODEC, {"lopsided": "Codec"}
+    )
+    activate(tmp_path, monkeypatch)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path), prepend=":")
+    argv = ["bench", "--codecs", "lopsided", "--no-fbgemm", "--ops", "pooled,seq"]
+    argv += ["--sizes", "64K", "--codec-size", "64K", "--budget", "0.01", "--timeout", "2"]
+    assert cli_main([*argv, "--json", str(tmp_path / "out.json")]) == 1
+    results = _strict_json(tmp_path / "out.json")
+    row = results["codecs"][1]
+    assert row["codec"] == "lopsided" and row["status"] == "failed"
+    assert row["error"] == "rank 1: RuntimeError: rank 1 only"
+    points = {(p["op"], p["codec"]): p for p in results["collectives"]}
+    for op in ("pooled_embeddings_all_to_all", "sequence_embeddings_all_to_all"):
+        assert points[(op, "lopsided")]["status"] == "failed"
+        # The cause comes first, rank 0's timeout after it.
+        error = points[(op, "lopsided")]["error"]
+        assert error.startswith("rank 1: ") and error.index("rank 1 only") < error.index("rank 0")
+        # A fresh work group after the failure: the next collective runs.
+        assert points[(op, "noop")]["status"] == "ok"
+        assert points[(op, "noop")]["max_rel_error"] == 0.0
+
+
+def test_a_crashing_rank_ends_the_run_with_an_error(capfd):
+    # dim=0 makes every rank raise while building its first collective input.
+    config = BenchConfig(
+        codecs=["noop"], sizes=[65536], fbgemm=False, budget=0.001, codec_bytes=4096, dim=0
+    )
+    assert spawn_local(config) == 2
+    err = capfd.readouterr().err
+    assert "exited with status 2" in err and "the run was stopped" in err
+    assert "ZeroDivisionError" in err
+
+
+# The pure functions, against hand-computed values.
+
+
+def test_bandwidths_like_nccl_tests():
+    assert algorithm_bandwidth(64 << 20, 0.01) == pytest.approx(6710886400.0)
+    assert bus_bandwidth(10.0, 2) == 5.0
+    assert bus_bandwidth(10.0, 8) == 8.75
+    assert bus_bandwidth(10.0, 1) == 0.0
+    with pytest.raises(ValueError, match="seconds"):
+        algorithm_bandwidth(1.0, 0.0)
+    with pytest.raises(ValueError, match="world_size"):
+        bus_bandwidth(1.0, 0)
+
+
+def test_break_even_bandwidth():
+    # int8-like: 1.25 wire bytes per 4 logical; 1 ms encode + 1 ms decode of 4 MB.
+    # (1 - 1.25/4) / (2e-3 s / 4e6 B) = 0.6875 / 5e-10 = 1.375e9 B/s.
+    assert break_even_bandwidth(1.25e6, 4e6, 1e-3, 1e-3) == pytest.approx(1.375e9)
+    assert break_even_bandwidth(2.0, 4.0, 0.0, 0.0) == math.inf
+    assert break_even_bandwidth(5.0, 4.0, 1.0, 1.0) == 0.0  # grows the message
+    with pytest.raises(ValueError, match="logical_bytes"):
+        break_even_bandwidth(1.0, 0.0, 1.0, 1.0)
+
+
+def test_sqnr_and_error_stats():
+    assert sqnr_db(1000.0, 1.0) == pytest.approx(30.0)
+    assert sqnr_db(0.0, 0.0) != sqnr_db(0.0, 0.0)  # nan: no signal, no noise
+    x = torch.tensor([3.0, -4.0, 0.0, 0.0])
+    stats = error_stats(x, torch.tensor([3.0, -4.0, 0.5, 0.0]))
+    # max |e| / max |x| = 0.5 / 4; sqrt(0.25 / 25) = 0.1; 10 log10(25 / 0.25) = 20 dB.
+    assert stats.max_rel == pytest.approx(0.125)
+    assert stats.rms_rel == pytest.approx(0.1)
+    assert stats.sqnr_db == pytest.approx(20.0)
+    exact = error_stats(x, x.clone())
+    assert exact.max_rel == 0 and exact.rms_rel == 0 and exact.sqnr_db == math.inf
+    with pytest.raises(ValueError, match="elements"):
+        error_stats(x, x[:2])
+
+
+def test_timing_budget_and_json_values():
+    assert calls_for_budget(0.001, 0.25, 3, 200) == 200
+    assert calls_for_budget(0.1, 0.25, 3, 200) == 3
+    assert calls_for_budget(0.01, 0.25, 3, 200) == 25
+    assert jsonable({"a": [math.inf, -math.inf, math.nan, 1.5]}) == {"a": [None, None, None, 1.5]}
+
+
+def test_size_and_op_options():
+    assert parse_size("64K") == 65536 and parse_size("64kib") == 65536
+    assert parse_size("1M") == 1 << 20 and parse_size("2G") == 2 << 30
+    assert parse_sizes("64M, 64K,1M") == [65536, 1 << 20, 64 << 20]
+    assert format_size(64 << 20) == "64M" and format_size(100) == "100"
+    for bad in (",", "0", "1.5M", "64T", "-1K"):
+        with pytest.raises(ValueError, match="--sizes"):
+            parse_sizes(bad)
+    assert parse_ops("rs,pooled") == [
+        CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL,
+        CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER,
+    ]
+    assert parse_ops("SEQUENCE_EMBEDDINGS_ALL_TO_ALL") == [CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL]
+    with pytest.raises(ValueError, match="--ops: unknown collective 'allreduce'"):
+        parse_ops("allreduce")
+
+
+def test_codec_lists_keep_options_with_their_codec():
+    assert split_codec_list("int8:row_dim=64,fp16") == ["int8:row_dim=64", "fp16"]
+    assert split_codec_list("int8:row_dim=64,stochastic=true,mx4;fp16:x=1,y=2") == [
+        "int8:row_dim=64,stochastic=true",
+        "mx4",
+        "fp16:x=1,y=2",
+    ]
+    assert split_codec_list("a:k=v:w,b") == ["a:k=v:w", "b"]
+    with pytest.raises(CodecError, match="comes before any codec name"):
+        split_codec_list("row_dim=64,int8")
+
+
+def _config(*argv: str) -> BenchConfig:
+    return config_from_args(build_parser().parse_args(["bench", *argv]))
+
+
+def test_bench_options(monkeypatch, tmp_path):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    config = _config()
+    assert config.codecs is None and config.world_size == 2 and config.sizes[0] == 64 << 10
+    assert config.sizes[-1] == 64 << 20 and config.ops == OPS and config.fbgemm
+    quick = _config("--quick", "--codecs", "int8:row_dim=64,fp16", "--codec", "mx4:a=1,b=2")
+    assert quick.codecs == ["int8:row_dim=64", "fp16", "mx4:a=1,b=2"]
+    assert quick.sizes == QUICK_SIZES and quick.budget < config.budget
+    assert _config("--quick", "--sizes", "4M", "--budget", "1").sizes == [4 << 20]
+    assert _config("--ops", "seq", "--no-fbgemm").ops == ["sequence_embeddings_all_to_all"]
+    with pytest.raises(ValueError, match="--world-size: expected at least 2"):
+        _config("--world-size", "1")
+    with pytest.raises(ValueError, match="--json: the folder"):
+        _config("--json", str(tmp_path / "missing" / "out.json"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    assert _config().world_size == 4  # the launcher's ranks
+    with pytest.raises(ValueError, match="--world-size: the launcher started 4 ranks, got 2"):
+        _config("--world-size", "2")
+
+
+def test_bad_options_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "--sizes", "64T"])
+    assert exit_info.value.code == 2
+    assert "--sizes: expected a positive size" in capsys.readouterr().err
+    assert cli_main(["bench", "--world-size", "1"]) == 2
+    assert "--world-size" in capsys.readouterr().err
