@@ -308,3 +308,74 @@ def block_padded_size(
     if qcomm_ctx is not None:
         qcomm_ctx.padded_dim_sum_per_rank = padded
     return padded[my_rank], padded[my_rank] - dim_per_rank[my_rank]
+
+
+class BlockCodec:
+    r"""
+    The members every block codec shares: a block of :attr:`block` input
+    elements travels as :attr:`block_bytes` wire bytes, a partial last block
+    is padded, and pooled inputs get their columns padded to whole blocks.
+
+    Subclasses set both attributes in ``__init__`` and add ``encode``,
+    ``decode``, ``quantized_dtype`` and ``info``.
+    """
+
+    #: input elements per block (``row_dim`` or ``group_size``)
+    block: int
+    #: wire bytes per block, metadata included
+    block_bytes: int
+
+    def calc_quantized_size(self, input_len: int, ctx: BlockContext | None = None) -> int:
+        r"""
+        calc_quantized_size(input_len: int, ctx: BlockContext | None = None) -> int
+
+        Wire bytes for ``input_len`` elements: :attr:`block_bytes` per
+        (started) block.
+
+        Args:
+            input_len (int): number of input elements.
+            ctx (BlockContext, optional): ignored. Default: ``None``.
+
+        Returns:
+            int: ``ceil(input_len / block) * block_bytes``.
+
+        Raises:
+            ValueError: if ``input_len`` is negative.
+        """
+        return num_blocks(input_len, self.block) * self.block_bytes
+
+    def create_context(self) -> BlockContext:
+        r"""
+        create_context() -> BlockContext
+
+        A fresh context; :meth:`padded_size` records every rank's padded width in it.
+        """
+        return BlockContext(row_dim=self.block)
+
+    def padded_size(
+        self,
+        input_tensor: torch.Tensor,
+        dim_per_rank: list[int],
+        my_rank: int,
+        qcomm_ctx: BlockContext | None,
+    ) -> tuple[int, int]:
+        r"""
+        padded_size(input_tensor: Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: BlockContext | None) -> tuple[int, int]
+
+        Pads every rank's embedding width to a multiple of :attr:`block` and
+        records all of them in ``qcomm_ctx.padded_dim_sum_per_rank``, as
+        TorchRec's block-codec path expects.
+
+        Args:
+            input_tensor (Tensor): the pooled input ``[batch, dim_sum]``.
+            dim_per_rank (list[int]): embedding dim sum of every rank.
+            my_rank (int): this rank.
+            qcomm_ctx (BlockContext, optional): the call's context.
+
+        Returns:
+            tuple[int, int]: ``(padded_dim_sum, padding_size)`` of this rank.
+
+        Raises:
+            ValueError: if the input's width is not ``dim_per_rank[my_rank]``.
+        """
+        return block_padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx, self.block)

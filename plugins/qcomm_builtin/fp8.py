@@ -27,12 +27,11 @@ import torch
 
 from qcomm import CodecInfo
 from qcomm_builtin._blocks import (
+    BlockCodec,
     BlockContext,
-    block_padded_size,
     check_block_size,
     check_wire,
     flatten_input,
-    num_blocks,
     pad_to_blocks,
 )
 
@@ -52,7 +51,7 @@ def _aligned(row_dim: int) -> int:
     return (row_dim + 3) // 4 * 4
 
 
-class _RowwiseFP8Codec:
+class _RowwiseFP8Codec(BlockCodec):
     # Shared body of the two FP8 codecs; they differ only in the element format.
     _name: str
     _fp8: torch.dtype  # torch's OCP dtype with the same bit layout
@@ -61,9 +60,9 @@ class _RowwiseFP8Codec:
     _mbits: int
 
     def __init__(self, row_dim: int = DEFAULT_ROW_DIM) -> None:
-        self._row_dim = check_block_size("row_dim", row_dim)
-        self._values_bytes = _aligned(self._row_dim)
-        self._row_bytes = self._values_bytes + _META_BYTES
+        self.block = check_block_size("row_dim", row_dim)
+        self._values_bytes = _aligned(self.block)
+        self.block_bytes = self._values_bytes + _META_BYTES
         # Every element is off by at most half a step of the top binade
         # (0.5 <= |y| < 1 for both formats), relative to max_pos = the row's
         # max-abs; plus a few float32 roundings in scaling and unscaling.
@@ -72,11 +71,11 @@ class _RowwiseFP8Codec:
         half_step = 2.0 ** (math.floor(math.log2(self._max_pos)) - self._mbits - 1)
         self.info = CodecInfo(
             name=self._name,
-            bits_per_element=8.0 * self._row_bytes / self._row_dim,
+            bits_per_element=8.0 * self.block_bytes / self.block,
             summable=False,
             rel_error_bound=half_step / self._max_pos + 2.0**-20,
             abs_error_bound=2.0 * half_step * _EPSILON / self._max_pos,
-            error_block=self._row_dim,
+            error_block=self.block,
             max_abs_input=2.0**126,
         )
 
@@ -87,7 +86,7 @@ class _RowwiseFP8Codec:
 
         Elements per row (one scale each).
         """
-        return self._row_dim
+        return self.block
 
     @property
     def quantized_dtype(self) -> torch.dtype:
@@ -110,11 +109,11 @@ class _RowwiseFP8Codec:
         # the wire: multiplying by the power of two `shift` is exact, so the
         # bytes are fbgemm's. fbgemm clamps x * scale to max_pos first; here
         # |x * scale| <= max_pos * (1 + 2**-22), which rounds to max_pos.
-        torch.mul(rows, scale * self._shift, out=out[:, : self._row_dim].view(self._fp8))
+        torch.mul(rows, scale * self._shift, out=out[:, : self.block].view(self._fp8))
         bad = ~torch.isfinite(max_abs)
         if bool(bad.any()):
             scale.masked_fill_(bad, math.nan)
-            out[bad.view(-1), : self._row_dim] = 0
+            out[bad.view(-1), : self.block] = 0
         out[:, self._values_bytes : self._values_bytes + 4] = scale.view(torch.uint8)
 
     def encode(self, input_tensor: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
@@ -136,9 +135,9 @@ class _RowwiseFP8Codec:
             TypeError: if ``input_tensor`` is not a floating-point tensor.
         """
         flat = flatten_input(input_tensor, self._name)
-        rows = pad_to_blocks(flat, self._row_dim).view(-1, self._row_dim)
+        rows = pad_to_blocks(flat, self.block).view(-1, self.block)
         # Zero-filled, so padding bytes and the reserved 4 bytes are 0.
-        out = torch.zeros(rows.shape[0], self._row_bytes, dtype=torch.uint8, device=rows.device)
+        out = torch.zeros(rows.shape[0], self.block_bytes, dtype=torch.uint8, device=rows.device)
         if rows.shape[0] > 0:
             self._encode_rows(rows, out)
         return out.view(-1)
@@ -160,8 +159,8 @@ class _RowwiseFP8Codec:
             ValueError: if ``input_grad`` is not ``uint8`` or its length is not
                 a multiple of the row's wire size.
         """
-        wire = check_wire(input_grad, torch.uint8, self._row_bytes, self._name)
-        rows = wire.view(-1, self._row_bytes)
+        wire = check_wire(input_grad, torch.uint8, self.block_bytes, self._name)
+        rows = wire.view(-1, self.block_bytes)
         if rows.shape[0] == 0:
             return torch.zeros(0, device=rows.device)
         a = self._values_bytes
@@ -169,64 +168,11 @@ class _RowwiseFP8Codec:
         # value / (scale * shift) is the same float32 as fbgemm's value / scale
         # for the value in fbgemm's units: dividing by the power of two
         # `shift` is exact.
-        values = rows[:, : self._row_dim].view(self._fp8).to(torch.float32)
+        values = rows[:, : self.block].view(self._fp8).to(torch.float32)
         return values.div_(scale.mul_(self._shift)).view(-1)
 
-    def calc_quantized_size(self, input_len: int, ctx: BlockContext | None = None) -> int:
-        r"""
-        calc_quantized_size(input_len: int, ctx: BlockContext | None = None) -> int
-
-        Wire bytes for ``input_len`` elements, a whole row per started row.
-
-        Args:
-            input_len (int): number of input elements.
-            ctx (BlockContext, optional): ignored. Default: ``None``.
-
-        Returns:
-            int: ``ceil(input_len / row_dim) * (ceil(row_dim / 4) * 4 + 8)``.
-
-        Raises:
-            ValueError: if ``input_len`` is negative.
-        """
-        return num_blocks(input_len, self._row_dim) * self._row_bytes
-
-    def create_context(self) -> BlockContext:
-        r"""
-        create_context() -> BlockContext
-
-        A fresh context; :meth:`padded_size` records every rank's padded width in it.
-        """
-        return BlockContext(row_dim=self._row_dim)
-
-    def padded_size(
-        self,
-        input_tensor: torch.Tensor,
-        dim_per_rank: list[int],
-        my_rank: int,
-        qcomm_ctx: BlockContext | None,
-    ) -> tuple[int, int]:
-        r"""
-        padded_size(input_tensor: Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: BlockContext | None) -> tuple[int, int]
-
-        Pads every rank's embedding width to a multiple of ``row_dim`` and
-        records all of them in ``qcomm_ctx.padded_dim_sum_per_rank``.
-
-        Args:
-            input_tensor (Tensor): the pooled input ``[batch, dim_sum]``.
-            dim_per_rank (list[int]): embedding dim sum of every rank.
-            my_rank (int): this rank.
-            qcomm_ctx (BlockContext, optional): the call's context.
-
-        Returns:
-            tuple[int, int]: ``(padded_dim_sum, padding_size)`` of this rank.
-
-        Raises:
-            ValueError: if the input's width is not ``dim_per_rank[my_rank]``.
-        """
-        return block_padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx, self._row_dim)
-
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(row_dim={self._row_dim})"
+        return f"{type(self).__name__}(row_dim={self.block})"
 
 
 class FP8E4M3Codec(_RowwiseFP8Codec):

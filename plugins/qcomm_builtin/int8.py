@@ -15,12 +15,11 @@ import torch
 
 from qcomm import CodecInfo
 from qcomm_builtin._blocks import (
+    BlockCodec,
     BlockContext,
-    block_padded_size,
     check_block_size,
     check_wire,
     flatten_input,
-    num_blocks,
     pad_to_blocks,
 )
 from qcomm_builtin._fbgemm import fbgemm_ops
@@ -77,7 +76,7 @@ def _quantize_rows_fbgemm(ops: Any, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class Int8Codec:
+class Int8Codec(BlockCodec):
     r"""
     The ``int8`` codec: every row of ``row_dim`` consecutive elements is
     quantized to ``uint8`` between its own minimum and maximum.
@@ -134,15 +133,15 @@ class Int8Codec:
     """
 
     def __init__(self, row_dim: int = DEFAULT_ROW_DIM) -> None:
-        self._row_dim = check_block_size("row_dim", row_dim)
-        self._row_bytes = self._row_dim + _META_BYTES
+        self.block = check_block_size("row_dim", row_dim)
+        self.block_bytes = self.block + _META_BYTES
         self.info = CodecInfo(
             name="int8",
-            bits_per_element=8.0 * self._row_bytes / self._row_dim,
+            bits_per_element=8.0 * self.block_bytes / self.block,
             summable=False,
             rel_error_bound=1.0 / 255.0 + 2.0**-20,
             abs_error_bound=1.01 * _EPSILON,
-            error_block=self._row_dim,
+            error_block=self.block,
             max_abs_input=2.0**126,
         )
 
@@ -153,7 +152,7 @@ class Int8Codec:
 
         Elements per row (one scale and bias each).
         """
-        return self._row_dim
+        return self.block
 
     @property
     def quantized_dtype(self) -> torch.dtype:
@@ -182,13 +181,13 @@ class Int8Codec:
             TypeError: if ``input_tensor`` is not a floating-point tensor.
         """
         flat = flatten_input(input_tensor, "int8")
-        rows = pad_to_blocks(flat, self._row_dim, edge=True).view(-1, self._row_dim)
+        rows = pad_to_blocks(flat, self.block, edge=True).view(-1, self.block)
         if rows.shape[0] == 0:
             return torch.zeros(0, dtype=torch.uint8, device=rows.device)
         ops = fbgemm_ops() if rows.device.type == "cpu" else None
         if ops is not None:
             return _quantize_rows_fbgemm(ops, rows).view(-1)
-        out = torch.empty(rows.shape[0], self._row_bytes, dtype=torch.uint8, device=rows.device)
+        out = torch.empty(rows.shape[0], self.block_bytes, dtype=torch.uint8, device=rows.device)
         _quantize_rows(rows, out)
         return out.view(-1)
 
@@ -209,9 +208,9 @@ class Int8Codec:
             ValueError: if ``input_grad`` is not ``uint8`` or its length is not
                 a multiple of ``row_dim + 8``.
         """
-        wire = check_wire(input_grad, torch.uint8, self._row_bytes, "int8")
-        rows = wire.view(-1, self._row_bytes)
-        d = self._row_dim
+        wire = check_wire(input_grad, torch.uint8, self.block_bytes, "int8")
+        rows = wire.view(-1, self.block_bytes)
+        d = self.block
         if rows.shape[0] == 0:
             return torch.zeros(0, device=rows.device)
         ops = fbgemm_ops() if rows.device.type == "cpu" else None
@@ -221,58 +220,5 @@ class Int8Codec:
         values = rows[:, :d].to(torch.float32)
         return torch.addcmul(scale_bias[:, 1:], values, scale_bias[:, :1]).view(-1)
 
-    def calc_quantized_size(self, input_len: int, ctx: BlockContext | None = None) -> int:
-        r"""
-        calc_quantized_size(input_len: int, ctx: BlockContext | None = None) -> int
-
-        Wire bytes for ``input_len`` elements: ``row_dim + 8`` per (started) row.
-
-        Args:
-            input_len (int): number of input elements.
-            ctx (BlockContext, optional): ignored. Default: ``None``.
-
-        Returns:
-            int: ``ceil(input_len / row_dim) * (row_dim + 8)``.
-
-        Raises:
-            ValueError: if ``input_len`` is negative.
-        """
-        return num_blocks(input_len, self._row_dim) * self._row_bytes
-
-    def create_context(self) -> BlockContext:
-        r"""
-        create_context() -> BlockContext
-
-        A fresh context; :meth:`padded_size` records every rank's padded width in it.
-        """
-        return BlockContext(row_dim=self._row_dim)
-
-    def padded_size(
-        self,
-        input_tensor: torch.Tensor,
-        dim_per_rank: list[int],
-        my_rank: int,
-        qcomm_ctx: BlockContext | None,
-    ) -> tuple[int, int]:
-        r"""
-        padded_size(input_tensor: Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: BlockContext | None) -> tuple[int, int]
-
-        Pads every rank's embedding width to a multiple of ``row_dim`` and
-        records all of them in ``qcomm_ctx.padded_dim_sum_per_rank``.
-
-        Args:
-            input_tensor (Tensor): the pooled input ``[batch, dim_sum]``.
-            dim_per_rank (list[int]): embedding dim sum of every rank.
-            my_rank (int): this rank.
-            qcomm_ctx (BlockContext, optional): the call's context.
-
-        Returns:
-            tuple[int, int]: ``(padded_dim_sum, padding_size)`` of this rank.
-
-        Raises:
-            ValueError: if the input's width is not ``dim_per_rank[my_rank]``.
-        """
-        return block_padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx, self._row_dim)
-
     def __repr__(self) -> str:
-        return f"Int8Codec(row_dim={self._row_dim})"
+        return f"Int8Codec(row_dim={self.block})"

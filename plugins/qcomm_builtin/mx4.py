@@ -21,12 +21,11 @@ import torch
 
 from qcomm import CodecInfo
 from qcomm_builtin._blocks import (
+    BlockCodec,
     BlockContext,
-    block_padded_size,
     check_block_size,
     check_wire,
     flatten_input,
-    num_blocks,
     pad_to_blocks,
 )
 
@@ -334,7 +333,7 @@ def _error_bound(rounding: str) -> tuple[float, float]:
     return 0.2, 2.0**127
 
 
-class MX4Codec:
+class MX4Codec(BlockCodec):
     r"""
     The ``mx4`` codec (OCP MXFP4): every group of ``group_size`` consecutive
     elements shares one power-of-two scale, and each element travels as a
@@ -421,8 +420,9 @@ class MX4Codec:
     """
 
     def __init__(self, group_size: int = DEFAULT_GROUP_SIZE, rounding: str = "even") -> None:
-        self._group_size = check_block_size("group_size", group_size)
-        if self._group_size % 2:
+        self.block = check_block_size("group_size", group_size)
+        self.block_bytes = self.block // 2 + 1
+        if self.block % 2:
             raise ValueError(
                 f"group_size must be a positive even number (two elements per byte), got {group_size}"
             )
@@ -430,12 +430,12 @@ class MX4Codec:
         rel, max_abs = _error_bound(self._rounding)
         self.info = CodecInfo(
             name="mx4",
-            bits_per_element=4.0 + 8.0 / self._group_size,
+            bits_per_element=4.0 + 8.0 / self.block,
             summable=False,
             stochastic=self._rounding == "stochastic",
             rel_error_bound=rel,
             abs_error_bound=2.0**-129,
-            error_block=self._group_size,
+            error_block=self.block,
             max_abs_input=max_abs,
         )
 
@@ -446,7 +446,7 @@ class MX4Codec:
 
         Elements per shared exponent.
         """
-        return self._group_size
+        return self.block
 
     @property
     def rounding(self) -> str:
@@ -483,8 +483,8 @@ class MX4Codec:
         Raises:
             TypeError: if ``input_tensor`` is not a floating-point tensor.
         """
-        flat = pad_to_blocks(flatten_input(input_tensor, "mx4"), self._group_size)
-        return encode_mx4(flat.contiguous(), self._group_size, self._rounding)
+        flat = pad_to_blocks(flatten_input(input_tensor, "mx4"), self.block)
+        return encode_mx4(flat.contiguous(), self.block, self._rounding)
 
     def decode(self, input_grad: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
         r"""
@@ -503,63 +503,8 @@ class MX4Codec:
             ValueError: if ``input_grad`` is not ``uint8`` or its length is not
                 a multiple of ``group_size // 2 + 1``.
         """
-        wire = check_wire(input_grad, torch.uint8, self._group_size // 2 + 1, "mx4")
-        return decode_mx4(wire, self._group_size)
-
-    def calc_quantized_size(self, input_len: int, ctx: BlockContext | None = None) -> int:
-        r"""
-        calc_quantized_size(input_len: int, ctx: BlockContext | None = None) -> int
-
-        Wire bytes for ``input_len`` elements: ``group_size // 2 + 1`` per
-        (started) group.
-
-        Args:
-            input_len (int): number of input elements.
-            ctx (BlockContext, optional): ignored. Default: ``None``.
-
-        Returns:
-            int: ``ceil(input_len / group_size) * (group_size // 2 + 1)``.
-
-        Raises:
-            ValueError: if ``input_len`` is negative.
-        """
-        return num_blocks(input_len, self._group_size) * (self._group_size // 2 + 1)
-
-    def create_context(self) -> BlockContext:
-        r"""
-        create_context() -> BlockContext
-
-        A fresh context; :meth:`padded_size` records every rank's padded width in it.
-        """
-        return BlockContext(row_dim=self._group_size)
-
-    def padded_size(
-        self,
-        input_tensor: torch.Tensor,
-        dim_per_rank: list[int],
-        my_rank: int,
-        qcomm_ctx: BlockContext | None,
-    ) -> tuple[int, int]:
-        r"""
-        padded_size(input_tensor: Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: BlockContext | None) -> tuple[int, int]
-
-        Pads every rank's embedding width to a multiple of ``group_size`` and
-        records all of them in ``qcomm_ctx.padded_dim_sum_per_rank``, as
-        TorchRec's MX4 path does.
-
-        Args:
-            input_tensor (Tensor): the pooled input ``[batch, dim_sum]``.
-            dim_per_rank (list[int]): embedding dim sum of every rank.
-            my_rank (int): this rank.
-            qcomm_ctx (BlockContext, optional): the call's context.
-
-        Returns:
-            tuple[int, int]: ``(padded_dim_sum, padding_size)`` of this rank.
-
-        Raises:
-            ValueError: if the input's width is not ``dim_per_rank[my_rank]``.
-        """
-        return block_padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx, self._group_size)
+        wire = check_wire(input_grad, torch.uint8, self.block_bytes, "mx4")
+        return decode_mx4(wire, self.block)
 
     def __repr__(self) -> str:
-        return f"MX4Codec(group_size={self._group_size}, rounding={self._rounding!r})"
+        return f"MX4Codec(group_size={self.block}, rounding={self._rounding!r})"
