@@ -1,5 +1,6 @@
 # Two entry points, both idempotent on a fresh clone:
-#   make bench   set up .venv, then run the main job (qcomm bench on local ranks)
+#   make bench   set up .venv, then run the main job (qcomm bench on 2 local ranks;
+#                table on the terminal, figures in out/bench.json and out/bench.png)
 #   make test    set up .venv, then run ruff, mypy and pytest
 PYTHON ?= python3
 VENV := .venv
@@ -23,7 +24,8 @@ $(STAMP): pyproject.toml constraints.txt Makefile $(wildcard plugins/*/pyproject
 	touch $@
 
 bench: $(STAMP)
-	$(BIN)/qcomm bench
+	mkdir -p out
+	$(BIN)/qcomm bench --json out/bench.json --plot out/bench.png
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
