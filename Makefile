@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # pip reads this file; pins torch so no CUDA build of a newer release is pulled in.
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup bench test lint clean
+.PHONY: setup bench test lint docs clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,9 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q; rc=$$?; test $$rc -eq 0 -o $$rc -eq 5
+
+docs: $(STAMP)
+	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 clean:
 	rm -rf $(VENV)
