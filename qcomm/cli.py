@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from qcomm.registry import codec_entries, load_codec
-from qcomm.types import CodecError, codec_info
+from qcomm.types import CodecError, CodecInfo, codec_info
 
 
 def _format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -24,6 +24,16 @@ def _format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _describe_bound(info: CodecInfo) -> str:
+    scale = "|x|" if info.error_block == 1 else f"max|block of {info.error_block}|"
+    text = f"{info.rel_error_bound:.3g} x {scale}"
+    if info.abs_error_bound:
+        text += f" + {info.abs_error_bound:.3g}"
+    if info.max_abs_input != float("inf"):
+        text += f" for |x| <= {info.max_abs_input:.3g}"
+    return text
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -37,8 +47,7 @@ def _list(args: argparse.Namespace) -> int:
                 row += [
                     f"{info.bits_per_element:g}",
                     "yes" if info.summable else "no",
-                    f"{info.rel_error_bound:.3g}"
-                    + (f" x max|block {info.error_block}|" if info.error_block != 1 else " x |x|"),
+                    _describe_bound(info),
                 ]
             except CodecError as err:
                 row += ["error", "", str(err)]
