@@ -25,6 +25,9 @@ TARGETS = {"fp16": 2.0, "bf16": 2.0, "mx4": 10.0}
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    # A file named on the command line is collected by pytest itself already.
+    if parent.session.isinitpath(file_path):
+        return None
     if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
