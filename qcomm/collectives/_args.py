@@ -59,6 +59,12 @@ def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
         )
     if group is None:
         group = dist.group.WORLD
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        # What new_group() hands the processes it leaves out.
+        raise ValueError(
+            "group: this process is not a member of the given process group "
+            "(new_group returned NON_GROUP_MEMBER here)"
+        )
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
@@ -83,13 +89,15 @@ def check_input(input: Any, name: str, group: dist.ProcessGroup, ndim: int | Non
             Default: ``None`` (at least one).
 
     Raises:
-        TypeError: if ``input`` is not a floating-point tensor.
+        TypeError: if ``input`` is not a dense floating-point tensor.
         ValueError: if its shape or device does not fit.
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(input).__name__}")
     if not input.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {input.dtype}")
+    if input.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {input.layout}")
     if ndim is not None and input.dim() != ndim:
         raise ValueError(
             f"{name}: expected a {ndim}-D tensor, got {input.dim()}-D of shape {tuple(input.shape)}"
@@ -157,20 +165,50 @@ def check_splits(
     return out
 
 
-def check_codec(codec: Any, name: str, device: torch.device) -> None:
-    r"""
-    check_codec(codec: Any, name: str, device: torch.device) -> None
+# What gloo carries (torch 2.13); it refuses int16, the unsigned ints above
+# 8 bits and the float8 dtypes with a bare "Invalid scalar type".
+_GLOO_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.uint8,
+        torch.int8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
 
-    Checks that ``codec`` follows the codec contract and runs on ``device``.
+
+def _gloo_carries(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    if group is None or device.type != "cpu":
+        return False
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
+def check_codec(
+    codec: Any, name: str, device: torch.device, group: dist.ProcessGroup | None = None
+) -> None:
+    r"""
+    check_codec(codec: Any, name: str, device: torch.device, group: ProcessGroup | None = None) -> None
+
+    Checks that ``codec`` follows the codec contract, runs on ``device`` and
+    has a wire dtype the backend of ``group`` can carry.
 
     Args:
         codec (Any): the codec object.
         name (str): the argument's name, for messages.
         device (torch.device): where the data lives.
+        group (ProcessGroup, optional): the call's group. Default: ``None``
+            (the backend is not asked).
 
     Raises:
-        TypeError: if members of the contract are missing.
-        CodecError: if the codec's ``info`` does not list the device's type.
+        TypeError: if members of the contract are missing or not callable, or
+            ``quantized_dtype`` is not a ``torch.dtype``.
+        CodecError: if the codec's ``info`` does not list the device's type,
+            or the backend cannot carry its wire dtype.
     """
     if not isinstance(codec, QuantizedCommCodec):
         missing = [m for m in _CODEC_MEMBERS if not hasattr(codec, m)]
@@ -178,17 +216,38 @@ def check_codec(codec: Any, name: str, device: torch.device) -> None:
             f"{name}: expected an object following the qcomm.QuantizedCommCodec contract, "
             f"got {type(codec).__name__} missing {', '.join(missing)}"
         )
+    for member in _CODEC_MEMBERS:
+        if member != "quantized_dtype" and not callable(getattr(codec, member)):
+            value = getattr(codec, member)
+            raise TypeError(
+                f"{name}.{member}: expected a method of the codec contract, "
+                f"got {type(value).__name__} {value!r}"
+            )
+    dtype = codec.quantized_dtype
+    if callable(dtype):  # TorchRec's own no-op codec has it as a method
+        dtype = dtype()
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"{name}.quantized_dtype: expected a torch.dtype, got {type(dtype).__name__} {dtype!r}"
+        )
     info = codec_info(codec)
     if device.type not in info.devices:
         raise CodecError(
             f"{name}: codec {info.name!r} runs on {', '.join(info.devices)}, "
             f"got a tensor on {device.type}"
         )
+    if dtype not in _GLOO_DTYPES and _gloo_carries(group, device):
+        raise CodecError(
+            f"{name}: codec {info.name!r} sends {dtype}, which the gloo backend cannot carry "
+            f"(it carries {', '.join(sorted(str(d) for d in _GLOO_DTYPES))})"
+        )
 
 
-def resolve_codecs(codecs: Any, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
+def resolve_codecs(
+    codecs: Any, dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup | None = None
+) -> tuple[Any, Any]:
     r"""
-    resolve_codecs(codecs: Any, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]
+    resolve_codecs(codecs: Any, dtype: torch.dtype, device: torch.device, group: ProcessGroup | None = None) -> tuple[Any, Any]
 
     The checked forward and backward codecs of a call.
 
@@ -198,15 +257,24 @@ def resolve_codecs(codecs: Any, dtype: torch.dtype, device: torch.device) -> tup
         dtype (torch.dtype): the input's dtype; with ``codecs=None`` the data
             travels in it.
         device (torch.device): where the data lives.
+        group (ProcessGroup, optional): the call's group, whose backend must
+            carry the wire dtypes. Default: ``None`` (not checked).
 
     Returns:
         tuple[Any, Any]: the forward and the backward codec.
 
     Raises:
-        TypeError: if ``codecs`` is not a pair or a codec breaks the contract.
-        CodecError: if a codec cannot run on ``device``.
+        TypeError: if ``codecs`` is not a pair, a codec breaks the contract,
+            or (with ``codecs=None``) the backend cannot carry ``dtype``.
+        CodecError: if a codec cannot run on ``device`` or its wire dtype
+            cannot travel.
     """
     if codecs is None:
+        if dtype not in _GLOO_DTYPES and _gloo_carries(group, device):
+            raise TypeError(
+                f"input: the gloo backend cannot carry {dtype} as it is; give codecs that "
+                f"encode it (e.g. fp16) or convert the input"
+            )
         # Without codecs the data travels in its own dtype, as with a plain
         # collective: no cast, no extra bytes.
         return NoOpQuantizedCommCodec(dtype), NoOpQuantizedCommCodec(dtype)
@@ -215,8 +283,8 @@ def resolve_codecs(codecs: Any, dtype: torch.dtype, device: torch.device) -> tup
             "codecs: expected a qcomm.QuantizedCommCodecs (an object with forward and "
             f"backward codecs) or None, got {type(codecs).__name__}"
         )
-    check_codec(codecs.forward, "codecs.forward", device)
-    check_codec(codecs.backward, "codecs.backward", device)
+    check_codec(codecs.forward, "codecs.forward", device, group)
+    check_codec(codecs.backward, "codecs.backward", device, group)
     return codecs.forward, codecs.backward
 
 

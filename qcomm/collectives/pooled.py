@@ -23,6 +23,7 @@ from qcomm.collectives._args import (
     resolve_group,
 )
 from qcomm.collectives._pending import Pending
+from qcomm.collectives._verify import Agreement
 from qcomm.collectives._wire import (
     all_to_all,
     assemble,
@@ -32,6 +33,7 @@ from qcomm.collectives._wire import (
     padded_lengths,
     quantized_sizes,
 )
+from qcomm.types import CommOp
 
 __all__ = ["all_to_all_pooled"]
 
@@ -70,6 +72,14 @@ def all_to_all_pooled(
         same ``batch_size_per_rank``, ``dim_sum_per_rank`` and codecs, and
         must run the backward pass if any rank does.
 
+        The ranks check that they agree before the first call of each
+        collective on each group (every call with ``QCOMM_VERIFY=1``, never
+        with ``QCOMM_VERIFY=0``; the same setting on all ranks): one small
+        all-gather, after which ranks that disagree all raise
+        :class:`~qcomm.CodecError` naming the rank and the argument, and a
+        rank whose own arguments are invalid makes the others raise instead
+        of waiting for it.
+
     .. warning::
         With a codec that returns its input (the no-op codec), the input's
         memory is sent as it is: do not modify ``input`` in place before
@@ -100,7 +110,10 @@ def all_to_all_pooled(
         ValueError: if shapes and split lists disagree, or the device does not
             suit the backend.
         CodecError: if a codec breaks its contract (e.g. an encoded size
-            differing from ``calc_quantized_size``) or cannot run on the device.
+            differing from ``calc_quantized_size``) or cannot run on the
+            device, or the ranks disagree on ``batch_size_per_rank``,
+            ``dim_sum_per_rank`` or the codecs, or another rank's arguments
+            are invalid (when checked, see the note).
 
     Examples::
 
@@ -112,18 +125,23 @@ def all_to_all_pooled(
         >>> dist.destroy_process_group()
     """
     pg, rank, world = resolve_group(group)
-    check_input(input, "input", pg, ndim=2)
-    batches = check_splits(
-        batch_size_per_rank, "batch_size_per_rank", world, input.shape[0], "input.shape[0]"
-    )
-    dims = check_splits(dim_sum_per_rank, "dim_sum_per_rank", world)
-    if dims[rank] != input.shape[1]:
-        raise ValueError(
-            f"dim_sum_per_rank[{rank}]: expected this rank's width input.shape[1] "
-            f"({input.shape[1]}), got {dims[rank]}"
+    with Agreement(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL, pg, rank, world, input) as agree:
+        check_input(input, "input", pg, ndim=2)
+        batches = check_splits(
+            batch_size_per_rank, "batch_size_per_rank", world, input.shape[0], "input.shape[0]"
         )
-    divide = world if check_flag(gradient_division, "gradient_division") else 1
-    forward, backward = resolve_codecs(codecs, input.dtype, input.device)
+        dims = check_splits(dim_sum_per_rank, "dim_sum_per_rank", world)
+        if dims[rank] != input.shape[1]:
+            raise ValueError(
+                f"dim_sum_per_rank[{rank}]: expected this rank's width input.shape[1] "
+                f"({input.shape[1]}), got {dims[rank]}"
+            )
+        divide = world if check_flag(gradient_division, "gradient_division") else 1
+        forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
+        agree.same("batch_size_per_rank", batches)
+        agree.same("dim_sum_per_rank", dims)
+        agree.same("codecs.forward", forward)
+        agree.same("codecs.backward", backward)
     finish = _start(input.detach(), batches, dims, rank, forward, pg)
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from qcomm.collectives._args import (
     resolve_group,
 )
 from qcomm.collectives._pending import Pending
+from qcomm.collectives._verify import Agreement
 from qcomm.collectives._wire import (
     all_gather_single,
     assemble,
@@ -40,7 +41,7 @@ from qcomm.collectives._wire import (
     quantized_sizes,
     reduce_scatter_single,
 )
-from qcomm.types import codec_info
+from qcomm.types import CommOp, codec_info
 
 __all__ = ["reduce_scatter_pooled"]
 
@@ -81,6 +82,14 @@ def reduce_scatter_pooled(
         same ``input_splits``, trailing shape and codecs, and must run the
         backward pass if any rank does.
 
+        The ranks check that they agree before the first call of each
+        collective on each group (every call with ``QCOMM_VERIFY=1``, never
+        with ``QCOMM_VERIFY=0``; the same setting on all ranks): one small
+        all-gather, after which ranks that disagree all raise
+        :class:`~qcomm.CodecError` naming the rank and the argument, and a
+        rank whose own arguments are invalid makes the others raise instead
+        of waiting for it.
+
     .. warning::
         With a codec that returns its input (the no-op codec), the input's
         memory is sent as it is: do not modify ``input`` in place before
@@ -109,7 +118,10 @@ def reduce_scatter_pooled(
             contract.
         ValueError: if shapes and ``input_splits`` disagree, or the device does
             not suit the backend.
-        CodecError: if a codec breaks its contract or cannot run on the device.
+        CodecError: if a codec breaks its contract or cannot run on the
+            device, or the ranks disagree on ``input_splits``, the trailing
+            shape or the codecs, or another rank's arguments are invalid
+            (when checked, see the note).
 
     Examples::
 
@@ -120,20 +132,25 @@ def reduce_scatter_pooled(
         >>> dist.destroy_process_group()
     """
     pg, rank, world = resolve_group(group)
-    check_input(input, "input", pg)
-    rows = input.shape[0]
-    if input_splits is None:
-        if rows % world:
-            raise ValueError(
-                f"input: with input_splits=None, expected dim 0 divisible by the world size "
-                f"({world}), got {rows}"
-            )
-        splits = [rows // world] * world
-    else:
-        splits = check_splits(input_splits, "input_splits", world, rows, "input.shape[0]")
-    divide = world if check_flag(gradient_division, "gradient_division") else 1
-    forward, backward = resolve_codecs(codecs, input.dtype, input.device)
-    rest = tuple(input.shape[1:])
+    with Agreement(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER, pg, rank, world, input) as agree:
+        check_input(input, "input", pg)
+        rows = input.shape[0]
+        if input_splits is None:
+            if rows % world:
+                raise ValueError(
+                    f"input: with input_splits=None, expected dim 0 divisible by the world size "
+                    f"({world}), got {rows}"
+                )
+            splits = [rows // world] * world
+        else:
+            splits = check_splits(input_splits, "input_splits", world, rows, "input.shape[0]")
+        divide = world if check_flag(gradient_division, "gradient_division") else 1
+        forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
+        rest = tuple(input.shape[1:])
+        agree.same("input_splits", splits)
+        agree.same("input.shape[1:]", rest)
+        agree.same("codecs.forward", forward)
+        agree.same("codecs.backward", backward)
     lengths = [s * math.prod(rest) for s in splits]
     out_shape = (splits[rank], *rest)
     flat = input.detach().reshape(-1)

@@ -15,7 +15,9 @@ import torch.distributed as dist
 from qcomm.awaitable import Awaitable
 from qcomm.collectives._args import check_input, check_splits, resolve_codecs, resolve_group
 from qcomm.collectives._pending import Pending
+from qcomm.collectives._verify import Agreement
 from qcomm.collectives._wire import assemble, exchange_segments
+from qcomm.types import CommOp
 
 __all__ = ["all_to_all_sequence"]
 
@@ -49,6 +51,14 @@ def all_to_all_sequence(
         matching splits, the same trailing shape and the same codecs, and
         must run the backward pass if any rank does.
 
+        The ranks check that they agree before the first call of each
+        collective on each group (every call with ``QCOMM_VERIFY=1``, never
+        with ``QCOMM_VERIFY=0``; the same setting on all ranks): one small
+        all-gather, after which ranks that disagree all raise
+        :class:`~qcomm.CodecError` naming the rank and the argument, and a
+        rank whose own arguments are invalid makes the others raise instead
+        of waiting for it.
+
     .. warning::
         With a codec that returns its input (the no-op codec), the input's
         memory is sent as it is: do not modify ``input`` in place before
@@ -75,7 +85,10 @@ def all_to_all_sequence(
             contract.
         ValueError: if shapes and split lists disagree, or the device does not
             suit the backend.
-        CodecError: if a codec breaks its contract or cannot run on the device.
+        CodecError: if a codec breaks its contract or cannot run on the
+            device, or the ranks' splits do not match, or they disagree on the
+            trailing shape or the codecs, or another rank's arguments are
+            invalid (when checked, see the note).
 
     Examples::
 
@@ -87,11 +100,16 @@ def all_to_all_sequence(
         >>> dist.destroy_process_group()
     """
     pg, rank, world = resolve_group(group)
-    check_input(input, "input", pg)
-    sends = check_splits(input_splits, "input_splits", world, input.shape[0], "input.shape[0]")
-    recvs = check_splits(output_splits, "output_splits", world)
-    forward, backward = resolve_codecs(codecs, input.dtype, input.device)
-    rest = tuple(input.shape[1:])
+    with Agreement(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL, pg, rank, world, input) as agree:
+        check_input(input, "input", pg)
+        sends = check_splits(input_splits, "input_splits", world, input.shape[0], "input.shape[0]")
+        recvs = check_splits(output_splits, "output_splits", world)
+        forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
+        rest = tuple(input.shape[1:])
+        agree.same("input.shape[1:]", rest)
+        agree.same("codecs.forward", forward)
+        agree.same("codecs.backward", backward)
+        agree.mirror(sends, recvs)
     finish = _start(input.detach(), sends, recvs, rest, forward, rank, pg)
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:

@@ -196,9 +196,13 @@ class ScaledFP16Codec:
             Tensor: 1-D float32 tensor of the decoded values.
 
         Raises:
-            TypeError: if ``input_grad`` is not float16.
+            TypeError: if ``input_grad`` is not a float16 tensor.
             ValueError: if its length is no valid wire length.
         """
+        if not isinstance(input_grad, torch.Tensor):
+            raise TypeError(
+                f"input_grad must be a float16 wire tensor, got {type(input_grad).__name__}"
+            )
         if input_grad.dtype != torch.float16:
             raise TypeError(f"input_grad must be a float16 wire tensor, got {input_grad.dtype}")
         wire = input_grad.reshape(-1)
