@@ -85,7 +85,7 @@ def reduce_scatter_pooled(
         The ranks check that they agree before the first call of each
         collective on each group (every call with ``QCOMM_VERIFY=1``, never
         with ``QCOMM_VERIFY=0``; the same setting on all ranks): one small
-        all-gather, after which ranks that disagree all raise
+        exchange, after which ranks that disagree all raise
         :class:`~qcomm.CodecError` naming the rank and the argument, and a
         rank whose own arguments are invalid makes the others raise instead
         of waiting for it.

@@ -54,7 +54,7 @@ def all_to_all_sequence(
         The ranks check that they agree before the first call of each
         collective on each group (every call with ``QCOMM_VERIFY=1``, never
         with ``QCOMM_VERIFY=0``; the same setting on all ranks): one small
-        all-gather, after which ranks that disagree all raise
+        exchange, after which ranks that disagree all raise
         :class:`~qcomm.CodecError` naming the rank and the argument, and a
         rank whose own arguments are invalid makes the others raise instead
         of waiting for it.
