@@ -325,4 +325,10 @@ def _child_main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main())
+    status = _child_main()
+    # Results are reported: skip the interpreter's teardown, in which the
+    # TorchRec/fbgemm stack can abort after the work is done, which would
+    # turn a finished rank into a crashed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
