@@ -380,6 +380,31 @@ _DTYPE_BITS = {
 }
 
 
+def read_quantized_dtype(codec: Any) -> Any:
+    r"""
+    read_quantized_dtype(codec: Any) -> Any
+
+    The codec's ``quantized_dtype``, read as a property or, as TorchRec's own
+    no-op codec has it, called as a method. What comes back is not checked:
+    callers decide what a value that is not a ``torch.dtype`` means.
+
+    Args:
+        codec (Any): any object following the codec contract.
+
+    Returns:
+        Any: the wire dtype, or ``None`` when the codec has no such member.
+
+    Examples::
+
+        >>> read_quantized_dtype(NoOpQuantizedCommCodec(torch.float16))
+        torch.float16
+    """
+    dtype = getattr(codec, "quantized_dtype", None)
+    if callable(dtype) and not isinstance(dtype, torch.dtype):
+        dtype = dtype()
+    return dtype
+
+
 def codec_info(codec: Any) -> CodecInfo:
     r"""
     codec_info(codec: Any) -> CodecInfo
@@ -402,9 +427,7 @@ def codec_info(codec: Any) -> CodecInfo:
     info = getattr(codec, "info", None)
     if isinstance(info, CodecInfo):
         return info
-    dtype = getattr(codec, "quantized_dtype", None)
-    if callable(dtype):  # TorchRec's own no-op codec has it as a method
-        dtype = dtype()
+    dtype = read_quantized_dtype(codec)
     if isinstance(dtype, torch.dtype):
         bits = _DTYPE_BITS.get(dtype) or torch.finfo(dtype).bits
     else:

@@ -20,6 +20,7 @@ from qcomm.types import (
     NoOpQuantizedCommCodec,
     QuantizedCommCodec,
     codec_info,
+    read_quantized_dtype,
 )
 
 _CODEC_MEMBERS = (
@@ -223,9 +224,7 @@ def check_codec(
                 f"{name}.{member}: expected a method of the codec contract, "
                 f"got {type(value).__name__} {value!r}"
             )
-    dtype = codec.quantized_dtype
-    if callable(dtype):  # TorchRec's own no-op codec has it as a method
-        dtype = dtype()
+    dtype = read_quantized_dtype(codec)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(
             f"{name}.quantized_dtype: expected a torch.dtype, got {type(dtype).__name__} {dtype!r}"

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives import _buffers
-from qcomm.types import CodecError, CodecInfo, codec_info
+from qcomm.types import CodecError, CodecInfo, codec_info, read_quantized_dtype
 
 T = TypeVar("T")
 
@@ -64,9 +64,7 @@ def wire_dtype(codec: Any) -> torch.dtype:
     Raises:
         CodecError: if it is not a ``torch.dtype``.
     """
-    dtype = codec.quantized_dtype
-    if callable(dtype):  # TorchRec's own no-op codec has it as a method
-        dtype = dtype()
+    dtype = read_quantized_dtype(codec)
     if not isinstance(dtype, torch.dtype):
         raise CodecError(
             f"codec {_name(codec)!r}: quantized_dtype must be a torch.dtype, got {dtype!r}"
