@@ -42,6 +42,10 @@ The rules, in the order they are checked (the first one broken raises
   input within 1% (only for codecs that declare a :class:`~qcomm.CodecInfo`).
 - ``summable``: for codecs that declare ``summable``, the element-wise sum of
   two wire tensors decodes to the sum of the inputs within the bound.
+- ``decode_into``: for codecs that have the optional ``decode_into``, it
+  writes exactly the bits ``decode`` returns, into a contiguous output, a band
+  of columns of a wider matrix and a transposed view, and touches nothing
+  around them.
 
 The block of a codec is ``CodecInfo.error_block`` when it is above ``1``,
 else ``1``; pass ``block=`` to :func:`check_codec` to override it.
@@ -73,6 +77,7 @@ RULES = (
     "no_mutation",
     "bits",
     "summable",
+    "decode_into",
 )
 
 
@@ -572,6 +577,40 @@ def _rule_summable(run: _Run) -> None:
     _check_close(run, a + b, y, "decode(encode(a) + encode(b)) against a + b", bound)
 
 
+def _rule_decode_into(run: _Run) -> None:
+    width = 4 * run.block
+    rows = 6
+    x = _normal(run, rows * width, 3.0)
+    wire = _encode(run, x, _context(run), "normal data", "create_context()")
+    expected = _decode(run, wire, _context(run), "normal data", "create_context()")
+    if expected.numel() != x.numel():
+        raise run.fail(f"decode of {x.numel()} elements gave {expected.numel()}", "shape")
+    sentinel = -12345.0
+    wide = torch.full((rows, 3 * width), sentinel, device=run.device)
+    square = torch.full((width, rows), sentinel, device=run.device)
+    outs = [
+        ("a contiguous 1-D tensor", torch.full((x.numel(),), sentinel, device=run.device)),
+        (f"columns {width}..{2 * width} of a [{rows}, {3 * width}] matrix", wide[:, width:-width]),
+        (f"the transpose of a [{width}, {rows}] matrix", square.t()),
+    ]
+    for where, out in outs:
+        before = wire.clone()
+        what = f"decode_into(<wire of {x.numel()} elements>, <{where}>)"
+        _call(run, what, "decode_into", wire, out, _context(run))
+        if not _same(wire, before):
+            raise run.fail(f"{what} changed its input tensor", "no_mutation")
+        got = out.reshape(-1)
+        if not torch.equal(_bytes(got), _bytes(expected.to(torch.float32))):
+            i = int((got != expected).nonzero()[0]) if bool((got != expected).any()) else 0
+            raise run.fail(
+                f"{what} wrote {got[i].item()!r} at element {i} where decode gives "
+                f"{expected[i].item()!r}"
+            )
+    outside = torch.cat([wide[:, :width].reshape(-1), wide[:, -width:].reshape(-1)])
+    if not bool((outside == sentinel).all()):
+        raise run.fail("decode_into into a band of columns wrote outside the band")
+
+
 def check_codec(
     codec: Any,
     *,
@@ -652,6 +691,12 @@ def check_codec(
         ("no_mutation", lambda: None),  # checked on every call
         ("bits", (lambda: _rule_bits(run)) if own_info else "no CodecInfo declared"),
         ("summable", (lambda: _rule_summable(run)) if info.summable else "not declared summable"),
+        (
+            "decode_into",
+            (lambda: _rule_decode_into(run))
+            if callable(getattr(codec, "decode_into", None))
+            else "no decode_into",
+        ),
     ]
     passed = []
     for rule, step in steps:

@@ -291,6 +291,29 @@ class NoOpQuantizedCommCodec:
         """
         return input_grad
 
+    def decode_into(
+        self, input_grad: torch.Tensor, out: torch.Tensor, ctx: Any | None = None
+    ) -> None:
+        r"""
+        decode_into(input_grad: Tensor, out: Tensor, ctx: Any | None = None) -> None
+
+        Copies ``input_grad`` into ``out`` (the optional member of the
+        contract, see :doc:`codecs`).
+
+        Args:
+            input_grad (Tensor): the wire tensor received.
+            out (Tensor): where its values go: as many elements, any layout.
+            ctx (Any, optional): ignored. Default: ``None``.
+
+        Raises:
+            ValueError: if ``out`` does not have as many elements.
+        """
+        if out.numel() != input_grad.numel():
+            raise ValueError(
+                f"out: expected {input_grad.numel()} elements (the wire's), got {out.numel()}"
+            )
+        out.copy_(input_grad.view(out.shape))
+
     @property
     def quantized_dtype(self) -> torch.dtype:
         r"""

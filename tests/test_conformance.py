@@ -52,6 +52,9 @@ class HalfCodec:
     def decode(self, input_grad, ctx=None):
         return input_grad.float()
 
+    def decode_into(self, input_grad, out, ctx=None):
+        out.copy_(input_grad.view(out.shape))
+
     def calc_quantized_size(self, input_len, ctx=None):
         return input_len
 
@@ -60,6 +63,21 @@ class HalfCodec:
 
     def padded_size(self, input_tensor, dim_per_rank, my_rank, qcomm_ctx):
         return dim_per_rank[my_rank], 0
+
+
+class DecodeIntoIgnoresStrides(HalfCodec):
+    # reshape(-1) of a band of columns is a copy: the values never arrive.
+    def decode_into(self, input_grad, out, ctx=None):
+        out.reshape(-1).copy_(input_grad)
+
+
+class DecodeIntoSpills(HalfCodec):
+    # Clears one column too many: the one right of a band.
+    def decode_into(self, input_grad, out, ctx=None):
+        if out.dim() == 2 and out.stride(1) == 1 and out.stride(0) > out.shape[1]:
+            wider = out.as_strided((out.shape[0], out.shape[1] + 1), out.stride())
+            wider.zero_()
+        out.copy_(input_grad.view(out.shape))
 
 
 class LyingSize(HalfCodec):
@@ -238,6 +256,8 @@ BROKEN = [
     (SumOverflows, "summable", r"decode\(encode\(a\) \+ encode\(b\)\) against a \+ b"),
     (ForeignMakesNaN, "round_trip", "decodes to nan"),
     (NoContext, "dtype", r"create_context\(\) raised TypeError: 'NoneType' object is not callable"),
+    (DecodeIntoIgnoresStrides, "decode_into", "columns .* wrote -12345.0 at element 0"),
+    (DecodeIntoSpills, "decode_into", "wrote outside the band"),
 ]
 
 
@@ -265,7 +285,7 @@ def test_noop_passes():
     report = check_codec(qcomm.load_codec("noop"))
     assert report.codec == "noop" and report.rules == RULES
     assert report.worst_error == 0.0
-    assert str(report).startswith("noop: 11 rules passed (dtype, ctx, ")
+    assert str(report).startswith("noop: 12 rules passed (dtype, ctx, ")
 
 
 def test_example_plugin_is_discovered_and_passes():
@@ -274,7 +294,10 @@ def test_example_plugin_is_discovered_and_passes():
     assert entry.value == "qcomm_example_codec.codec:ScaledFP16Codec"
     codec = qcomm.load_codec("example_fp16_scaled:block_size=16")
     report = check_codec(codec)
-    assert report.skipped == ("summable (not declared summable)",)
+    assert report.skipped == (
+        "summable (not declared summable)",
+        "decode_into (no decode_into)",
+    )
     assert 0.5 < report.worst_error <= 1.0
     # Lengths around its block of 16 are among those checked.
     assert {15, 16, 17, 31, 33, 167} <= set(report.lengths)
@@ -374,7 +397,7 @@ def broken_dist(tmp_path, monkeypatch):
 def test_cli_check(broken_dist, capsys):
     assert cli_main(["check", "noop", "example_fp16_scaled"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("ok   noop: 11 rules passed")
+    assert out[0].startswith("ok   noop: 12 rules passed")
     assert out[1].startswith("ok   example_fp16_scaled: 10 rules passed")
     assert cli_main(["check", "noop", "liar", "no_such_codec"]) == 1
     out = capsys.readouterr().out.splitlines()

@@ -306,3 +306,31 @@ def check_flag(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
     return value
+
+
+def check_chunk_bytes(value: Any) -> int | None:
+    r"""
+    check_chunk_bytes(value: Any) -> int | None
+
+    Checks the ``chunk_bytes`` option of a collective.
+
+    Args:
+        value (Any): what the caller passed.
+
+    Returns:
+        int | None: ``value``.
+
+    Raises:
+        TypeError: if ``value`` is neither ``None`` nor an int.
+        ValueError: if it is not positive.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"chunk_bytes: expected None (automatic) or a positive int, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if value <= 0:
+        raise ValueError(f"chunk_bytes: expected a positive number of bytes, got {value}")
+    return value

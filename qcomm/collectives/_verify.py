@@ -47,10 +47,10 @@ from qcomm.types import CodecError, CommOp, codec_info
 ENV = "QCOMM_VERIFY"
 # Bumped whenever the layout below changes, so that ranks running different
 # qcomm versions are told so instead of misreading each other.
-_PROTOCOL = 1
+_PROTOCOL = 2
 _HEADER = 5
 _MODES = ("first", "always")
-_FIELDS = 4
+_FIELDS = 5
 _CALLS = {
     CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL: "all_to_all_pooled",
     CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER: "reduce_scatter_pooled",

@@ -11,28 +11,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from qcomm.awaitable import Awaitable
-from qcomm.collectives import _buffers
 from qcomm.collectives._args import (
+    check_chunk_bytes,
     check_flag,
     check_input,
     check_splits,
     resolve_codecs,
     resolve_group,
 )
+from qcomm.collectives._buffers import lease
+from qcomm.collectives._exchange import Rows, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
+from qcomm.collectives._transport import open_transport
 from qcomm.collectives._verify import Agreement
-from qcomm.collectives._wire import (
-    all_to_all,
-    assemble,
-    decode_segments,
-    encodable,
-    encode_segments,
-    padded_lengths,
-    quantized_sizes,
-)
+from qcomm.collectives._wire import padded_lengths
 from qcomm.types import CommOp
 
 __all__ = ["all_to_all_pooled"]
@@ -46,6 +40,7 @@ def all_to_all_pooled(
     group: dist.ProcessGroup | None = None,
     codecs: Any | None = None,
     gradient_division: bool = False,
+    chunk_bytes: int | None = None,
 ) -> Awaitable[torch.Tensor]:
     r"""
     all_to_all_pooled(input, batch_size_per_rank, dim_sum_per_rank, *, group=None, codecs=None, gradient_division=False) -> Awaitable[Tensor]
@@ -137,79 +132,51 @@ def all_to_all_pooled(
                 f"({input.shape[1]}), got {dims[rank]}"
             )
         divide = world if check_flag(gradient_division, "gradient_division") else 1
+        chunk = check_chunk_bytes(chunk_bytes)
         forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
         agree.same("batch_size_per_rank", batches)
         agree.same("dim_sum_per_rank", dims)
         agree.same("codecs.forward", forward)
         agree.same("codecs.backward", backward)
-    finish = _start(input.detach(), batches, dims, rank, forward, pg)
+        agree.same("chunk_bytes", [chunk or 0])
+    finish = _forward(input.detach(), batches, dims, rank, forward, pg, chunk)
+    dtype = input.dtype
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
-        return _backward(grad, batches, dims, rank, backward, pg, input.dtype, divide)
+        return _backward(grad, batches, dims, rank, backward, pg, dtype, divide, chunk)
 
     return Pending(input, finish, backward_fn)
 
 
-def _offsets(sizes: list[int]) -> list[int]:
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return out
-
-
-def _start(
+def _forward(
     x: torch.Tensor,
     batches: list[int],
     dims: list[int],
     rank: int,
     codec: Any,
     group: dist.ProcessGroup,
+    chunk_bytes: int | None,
 ) -> Callable[[], torch.Tensor]:
-    dtype = x.dtype
-    x = encodable(x, codec)
+    # Rank k sends rows `rows[r]` of its [sum B, D_k] input to rank r, which
+    # receives them as columns `cols[k]` of its [B_r, sum D] output.
     ctx = codec.create_context()
     padded = padded_lengths(codec, ctx, dims, rank, x.device, probe=x)
-    pad = padded[rank] - dims[rank]
-    # Rows are whole destination blocks: padding the columns once makes every
-    # destination's block a run of whole padded rows.
-    source = F.pad(x, (0, pad)) if pad else x.contiguous()
-    wire, send_sizes = encode_segments(
-        codec, ctx, source.view(-1), [b * padded[rank] for b in batches]
-    )
-    local = batches[rank]
-    recv_lengths = [local * p for p in padded]
-    recv_sizes = quantized_sizes(codec, ctx, recv_lengths)
-    work, recv = all_to_all(wire, send_sizes, recv_sizes, group)
+    rows, cols = offsets(batches), offsets(dims)
+    out = lease((batches[rank], cols[-1]), x.dtype, x.device)
+    band = [out[:, cols[s] : cols[s + 1]] for s in range(len(dims))]
+    sends = [
+        ([r], Rows(x[rows[r] : rows[r + 1]], padded[rank])) for r in send_order(rank, len(dims))
+    ]
+    recvs = [(s, Rows(band[s], padded[s])) for s in recv_order(rank, len(dims))]
+    transport = open_transport(group, rank, x.device)
+    finish = start_exchange(sends, recvs, codec, ctx, transport, x.dtype, chunk_bytes)
+    band[rank].copy_(x[rows[rank] : rows[rank + 1]])  # while the link is busy
 
-    def finish() -> torch.Tensor:
-        work.wait()
-        _, blocks = decode_segments(codec, ctx, list(recv.split(recv_sizes)), recv_lengths, recv)
-        out = _columns(blocks, local, dims, padded, dtype, recv.device)
-        _buffers.give(recv, out)
+    def done() -> torch.Tensor:
+        finish()
         return out
 
-    return finish
-
-
-def _columns(
-    blocks: list[torch.Tensor],
-    local: int,
-    dims: list[int],
-    padded: list[int],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    contributing = [s for s, d in enumerate(dims) if d > 0]
-    if len(contributing) == 1 and padded == dims:
-        # One source fills every column: its block is the output already.
-        s = contributing[0]
-        return blocks[s].view(local, dims[s]).to(dtype)
-    # The layout change: each source's block becomes a band of columns.
-    out = torch.empty((local, sum(dims)), dtype=dtype, device=device)
-    cols = _offsets(dims)
-    for s, block in enumerate(blocks):
-        out[:, cols[s] : cols[s + 1]].copy_(block.view(local, padded[s])[:, : dims[s]])
-    return out
+    return done
 
 
 def _backward(
@@ -221,41 +188,23 @@ def _backward(
     group: dist.ProcessGroup,
     dtype: torch.dtype,
     divide: int,
+    chunk_bytes: int | None,
 ) -> torch.Tensor:
-    local = batches[rank]
-    g = encodable(grad, codec)
-    cols = _offsets(dims)
+    # The inverse: columns `cols[r]` of the [B_k, sum D] gradient go back to
+    # rank r as rows `rows[k]` of its [sum B, D_r] input gradient.
+    g = grad.to(dtype)
     ctx = codec.create_context()
-    mine = g[:, cols[rank] : cols[rank + 1]]
-    padded = padded_lengths(codec, ctx, dims, rank, g.device, probe=mine)
-    contributing = [r for r, d in enumerate(dims) if d > 0]
-    if len(contributing) <= 1 and padded == dims:
-        source = g.contiguous().view(-1)
-    else:
-        # The layout change the all-to-all needs (each destination's columns
-        # as one run) and the padding happen in this one copy.
-        source = _buffers.take(local * sum(padded), g.dtype, g.device)
-        for r, block in enumerate(source.split([local * p for p in padded])):
-            block2d = block.view(local, padded[r])
-            block2d[:, : dims[r]].copy_(g[:, cols[r] : cols[r + 1]])
-            block2d[:, dims[r] :].zero_()
-    wire, send_sizes = encode_segments(codec, ctx, source, [local * p for p in padded])
-    width = padded[rank]
-    recv_lengths = [b * width for b in batches]
-    recv_sizes = quantized_sizes(codec, ctx, recv_lengths)
-    work, recv = all_to_all(wire, send_sizes, recv_sizes, group)
-    work.wait()
-    _buffers.give(source, grad)
-    whole, blocks = decode_segments(codec, ctx, list(recv.split(recv_sizes)), recv_lengths, recv)
-    shape = (sum(batches), dims[rank])
-    if width == dims[rank]:
-        grad_input = assemble(whole, blocks, shape, dtype)
-    else:
-        grad_input = torch.empty(shape, dtype=dtype, device=recv.device)
-        rows = _offsets(batches)
-        for s, block in enumerate(blocks):
-            grad_input[rows[s] : rows[s + 1]].copy_(block.view(batches[s], width)[:, : dims[rank]])
-    _buffers.give(recv, grad_input)
+    rows, cols = offsets(batches), offsets(dims)
+    band = [g[:, cols[r] : cols[r + 1]] for r in range(len(dims))]
+    padded = padded_lengths(codec, ctx, dims, rank, g.device, probe=band[rank])
+    grad_input = lease((rows[-1], dims[rank]), dtype, g.device)
+    block = [grad_input[rows[s] : rows[s + 1]] for s in range(len(batches))]
+    sends = [([r], Rows(band[r], padded[r])) for r in send_order(rank, len(batches))]
+    recvs = [(s, Rows(block[s], padded[rank])) for s in recv_order(rank, len(batches))]
+    transport = open_transport(group, rank, g.device)
+    finish = start_exchange(sends, recvs, codec, ctx, transport, dtype, chunk_bytes)
+    block[rank].copy_(band[rank])
+    finish()
     if divide > 1:
-        grad_input = grad_input.div_(divide)
+        grad_input.div_(divide)
     return grad_input

@@ -3,10 +3,11 @@ The pooled-embedding reduce-scatter: every rank holds partial sums for every
 rank's block and receives the total of its own block (TorchRec's
 ``POOLED_EMBEDDINGS_REDUCE_SCATTER``).
 
-A summable codec's wire tensors are summed by the backend's native
-reduce-scatter. Any other codec goes through an all-to-all of encoded blocks
-and a local float32 sum after decoding, because the sum of two scaled wire
-tensors is not the encoding of the sum.
+Every rank's block for rank :math:`r` travels to :math:`r` encoded, and
+:math:`r` sums what it decodes in float32 (at least) with its own block,
+which never leaves it: the sum of two scaled wire tensors is not the encoding
+of the sum, and even a float16 cast summed by the backend would round every
+partial sum to 16 bits.
 """
 
 from __future__ import annotations
@@ -19,29 +20,21 @@ import torch
 import torch.distributed as dist
 
 from qcomm.awaitable import Awaitable
-from qcomm.collectives import _buffers
 from qcomm.collectives._args import (
+    check_chunk_bytes,
     check_flag,
     check_input,
     check_splits,
     resolve_codecs,
     resolve_group,
 )
+from qcomm.collectives._buffers import lease
+from qcomm.collectives._exchange import Flat, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
+from qcomm.collectives._transport import open_transport
 from qcomm.collectives._verify import Agreement
-from qcomm.collectives._wire import (
-    all_gather_single,
-    assemble,
-    decode_segments,
-    encodable,
-    encode_segments,
-    exchange_segments,
-    pad_segments,
-    padded_lengths,
-    quantized_sizes,
-    reduce_scatter_single,
-)
-from qcomm.types import CommOp, codec_info
+from qcomm.collectives._wire import padded_lengths
+from qcomm.types import CommOp
 
 __all__ = ["reduce_scatter_pooled"]
 
@@ -53,6 +46,7 @@ def reduce_scatter_pooled(
     group: dist.ProcessGroup | None = None,
     codecs: Any | None = None,
     gradient_division: bool = False,
+    chunk_bytes: int | None = None,
 ) -> Awaitable[torch.Tensor]:
     r"""
     reduce_scatter_pooled(input, *, input_splits=None, group=None, codecs=None, gradient_division=False) -> Awaitable[Tensor]
@@ -145,77 +139,56 @@ def reduce_scatter_pooled(
         else:
             splits = check_splits(input_splits, "input_splits", world, rows, "input.shape[0]")
         divide = world if check_flag(gradient_division, "gradient_division") else 1
+        chunk = check_chunk_bytes(chunk_bytes)
         forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
         rest = tuple(input.shape[1:])
         agree.same("input_splits", splits)
         agree.same("input.shape[1:]", rest)
         agree.same("codecs.forward", forward)
         agree.same("codecs.backward", backward)
+        agree.same("chunk_bytes", [chunk or 0])
     lengths = [s * math.prod(rest) for s in splits]
-    out_shape = (splits[rank], *rest)
-    flat = input.detach().reshape(-1)
-    if codec_info(forward).summable:
-        finish = _start_native(flat, lengths, rank, forward, pg, out_shape)
-    else:
-        finish = _start_exchange(flat, lengths, rank, forward, pg, out_shape)
+    dtype = input.dtype
+    finish = _reduce_scatter(input.detach(), lengths, rank, forward, pg, splits, rest, chunk)
     in_shape = tuple(input.shape)
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
-        return _all_gather(grad, lengths, rank, backward, pg, in_shape, input.dtype, divide)
+        return _all_gather(grad, lengths, rank, backward, pg, in_shape, dtype, divide, chunk)
 
     return Pending(input, finish, backward_fn)
 
 
-def _start_native(
-    flat: torch.Tensor,
+def _reduce_scatter(
+    x: torch.Tensor,
     lengths: list[int],
     rank: int,
     codec: Any,
     group: dist.ProcessGroup,
-    out_shape: tuple[int, ...],
+    splits: list[int],
+    rest: tuple[int, ...],
+    chunk_bytes: int | None,
 ) -> Callable[[], torch.Tensor]:
-    dtype = flat.dtype
-    ctx = codec.create_context()
-    padded = padded_lengths(codec, ctx, lengths, rank, flat.device)
-    source = pad_segments(encodable(flat, codec), lengths, padded)
-    wire, sizes = encode_segments(codec, ctx, source, padded)
-    out = _buffers.take(sizes[rank], wire.dtype, wire.device)
-    if len(set(sizes)) == 1:
-        work = reduce_scatter_single(out, wire, group=group, async_op=True)
-    else:
-        # gloo and NCCL both take uneven blocks through the list form.
-        work = dist.reduce_scatter(out, list(wire.split(sizes)), group=group, async_op=True)
-
-    def finish() -> torch.Tensor:
-        if work is not None:
-            work.wait()
-        _, blocks = decode_segments(codec, ctx, [out], [padded[rank]], out)
-        result = blocks[0][: lengths[rank]].view(out_shape).to(dtype)
-        _buffers.give(out, result)
-        return result
-
-    return finish
-
-
-def _start_exchange(
-    flat: torch.Tensor,
-    lengths: list[int],
-    rank: int,
-    codec: Any,
-    group: dist.ProcessGroup,
-    out_shape: tuple[int, ...],
-) -> Callable[[], torch.Tensor]:
-    dtype = flat.dtype
+    dtype = x.dtype
     world = len(lengths)
+    ctx = codec.create_context()
+    padded = padded_lengths(codec, ctx, lengths, rank, x.device)
+    flat = x.reshape(-1)
+    o = offsets(lengths)
+    # The sum runs in float32 at least, in this rank's buffer, seeded with
+    # its own block; the peers' blocks are added in a fixed order.
+    acc_dtype = torch.promote_types(torch.float32, dtype)
+    acc = lease((splits[rank], *rest), acc_dtype, x.device)
+    sends = [([r], Flat(flat[o[r] : o[r + 1]], padded[r])) for r in send_order(rank, world)]
+    recvs = [(s, Flat(acc.view(-1), padded[rank])) for s in recv_order(rank, world)]
+    transport = open_transport(group, rank, x.device)
+    finish = start_exchange(sends, recvs, codec, ctx, transport, dtype, chunk_bytes, add=True)
+    acc.view(-1).copy_(flat[o[rank] : o[rank + 1]])
 
-    def total(whole: torch.Tensor | None, blocks: list[torch.Tensor]) -> torch.Tensor:
-        # Sum in float32 at least, whatever the wire and input dtypes.
-        acc = blocks[0].to(torch.promote_types(torch.float32, dtype), copy=True)
-        for block in blocks[1:]:
-            acc.add_(block)
-        return acc.view(out_shape).to(dtype)
+    def done() -> torch.Tensor:
+        finish()
+        return acc.to(dtype)
 
-    return exchange_segments(flat, lengths, [lengths[rank]] * world, codec, rank, group, total)
+    return done
 
 
 def _all_gather(
@@ -227,28 +200,22 @@ def _all_gather(
     in_shape: tuple[int, ...],
     dtype: torch.dtype,
     divide: int,
+    chunk_bytes: int | None,
 ) -> torch.Tensor:
+    # Every rank's gradient block goes to every rank: encoded once, sent to all.
+    world = len(lengths)
     ctx = codec.create_context()
     padded = padded_lengths(codec, ctx, lengths, rank, grad.device)
-    flat = encodable(grad, codec).reshape(-1)
-    source = pad_segments(flat, [lengths[rank]], [padded[rank]])
-    wire, _ = encode_segments(codec, ctx, source, [padded[rank]])
-    sizes = quantized_sizes(codec, ctx, padded)
-    # all_gather_single wants equal pieces (gloo has no uneven
-    # all-gather): pad every rank's wire to the largest.
-    widest = max(sizes)
-    if widest > wire.numel():
-        wire = torch.cat([wire, wire.new_zeros(widest - wire.numel())])
-    gathered = _buffers.take(widest * len(sizes), wire.dtype, wire.device)
-    if widest:
-        all_gather_single(gathered, wire, group=group, async_op=True).wait()
-    pieces = [gathered[r * widest : r * widest + size] for r, size in enumerate(sizes)]
-    even = all(size == widest for size in sizes)
-    whole, blocks = decode_segments(codec, ctx, pieces, padded, gathered if even else None)
-    if padded != lengths:
-        whole, blocks = None, [b[:n] for b, n in zip(blocks, lengths)]
-    grad_input = assemble(whole, blocks, in_shape, dtype)
-    _buffers.give(gathered, grad_input)
+    mine = grad.to(dtype).reshape(-1)
+    grad_input = lease(in_shape, dtype, grad.device)
+    flat = grad_input.view(-1)
+    o = offsets(lengths)
+    sends = [(send_order(rank, world), Flat(mine, padded[rank]))]
+    recvs = [(s, Flat(flat[o[s] : o[s + 1]], padded[s])) for s in recv_order(rank, world)]
+    transport = open_transport(group, rank, grad.device)
+    finish = start_exchange(sends, recvs, codec, ctx, transport, dtype, chunk_bytes)
+    flat[o[rank] : o[rank + 1]].copy_(mine)
+    finish()
     if divide > 1:
-        grad_input = grad_input.div_(divide)
+        grad_input.div_(divide)
     return grad_input

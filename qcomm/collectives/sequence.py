@@ -13,10 +13,19 @@ import torch
 import torch.distributed as dist
 
 from qcomm.awaitable import Awaitable
-from qcomm.collectives._args import check_input, check_splits, resolve_codecs, resolve_group
+from qcomm.collectives._args import (
+    check_chunk_bytes,
+    check_input,
+    check_splits,
+    resolve_codecs,
+    resolve_group,
+)
+from qcomm.collectives._buffers import lease
+from qcomm.collectives._exchange import Flat, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
+from qcomm.collectives._transport import open_transport
 from qcomm.collectives._verify import Agreement
-from qcomm.collectives._wire import assemble, exchange_segments
+from qcomm.collectives._wire import padded_lengths
 from qcomm.types import CommOp
 
 __all__ = ["all_to_all_sequence"]
@@ -29,6 +38,7 @@ def all_to_all_sequence(
     output_splits: list[int],
     group: dist.ProcessGroup | None = None,
     codecs: Any | None = None,
+    chunk_bytes: int | None = None,
 ) -> Awaitable[torch.Tensor]:
     r"""
     all_to_all_sequence(input, *, input_splits, output_splits, group=None, codecs=None) -> Awaitable[Tensor]
@@ -104,16 +114,19 @@ def all_to_all_sequence(
         check_input(input, "input", pg)
         sends = check_splits(input_splits, "input_splits", world, input.shape[0], "input.shape[0]")
         recvs = check_splits(output_splits, "output_splits", world)
+        chunk = check_chunk_bytes(chunk_bytes)
         forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
         rest = tuple(input.shape[1:])
         agree.same("input.shape[1:]", rest)
         agree.same("codecs.forward", forward)
         agree.same("codecs.backward", backward)
+        agree.same("chunk_bytes", [chunk or 0])
         agree.mirror(sends, recvs)
-    finish = _start(input.detach(), sends, recvs, rest, forward, rank, pg)
+    dtype = input.dtype
+    finish = _start(input.detach(), sends, recvs, rest, forward, rank, pg, dtype, chunk)
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
-        return _start(grad, recvs, sends, rest, backward, rank, pg)()
+        return _start(grad, recvs, sends, rest, backward, rank, pg, dtype, chunk)()
 
     return Pending(input, finish, backward_fn)
 
@@ -126,16 +139,29 @@ def _start(
     codec: Any,
     rank: int,
     group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    chunk_bytes: int | None,
 ) -> Callable[[], torch.Tensor]:
+    # Each peer's rows are one flat segment, padded at its end to what the
+    # codec's padded_size asks for the segment seen as one row.
     width = math.prod(rest)
-    dtype = x.dtype
-    shape = (sum(recv_rows), *rest)
-    return exchange_segments(
-        x.reshape(-1),
-        [n * width for n in send_rows],
-        [n * width for n in recv_rows],
-        codec,
-        rank,
-        group,
-        lambda whole, blocks: assemble(whole, blocks, shape, dtype),
-    )
+    world = len(send_rows)
+    send_lengths = [n * width for n in send_rows]
+    recv_lengths = [n * width for n in recv_rows]
+    ctx = codec.create_context()
+    padded = padded_lengths(codec, ctx, send_lengths + recv_lengths, rank, x.device)
+    source = x.to(dtype).reshape(-1)
+    out = lease((sum(recv_rows), *rest), dtype, x.device)
+    flat = out.view(-1)
+    so, ro = offsets(send_lengths), offsets(recv_lengths)
+    sends = [([r], Flat(source[so[r] : so[r + 1]], padded[r])) for r in send_order(rank, world)]
+    recvs = [(s, Flat(flat[ro[s] : ro[s + 1]], padded[world + s])) for s in recv_order(rank, world)]
+    transport = open_transport(group, rank, x.device)
+    finish = start_exchange(sends, recvs, codec, ctx, transport, dtype, chunk_bytes)
+    flat[ro[rank] : ro[rank + 1]].copy_(source[so[rank] : so[rank + 1]])
+
+    def done() -> torch.Tensor:
+        finish()
+        return out
+
+    return done

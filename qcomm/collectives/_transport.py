@@ -1,0 +1,289 @@
+r"""
+How wire tensors cross between ranks: the one place that knows backends.
+
+A collective call hands its transport every receive it expects (peer and
+size) before any send, then its sends as they are encoded, then waits for
+each receive in turn. Two ways to carry that out:
+
+- :class:`PointToPoint` (gloo on the CPU): every receive is posted at once
+  into one reused buffer, and every send goes out the moment it is encoded,
+  each as its own message. Receiving before sending, both directions at
+  once, is what fills a full-duplex link: gloo's own ``all_to_all_single``
+  posts its sends first and often runs one direction at a time (half the
+  link), and it starts only once the whole wire is encoded. Chunks of a
+  peer's data are matched in order (gloo keeps the order of messages
+  between two ranks with the same tag).
+- :class:`OneAllToAll` (NCCL, and any other backend): the backend's own
+  all-to-all, once per call, over the sends laid end to end. NCCL's
+  all-to-all is full duplex already and its kernels overlap with the
+  encoding on other CUDA streams; it takes one chunk per peer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qcomm.collectives import _buffers
+
+# Every call on a group gets a tag of its own, counted alike on every rank
+# (the ranks make the same calls in the same order): messages of a call that
+# failed half-way can never be taken for those of a later call, and a user's
+# own point-to-point messages (tag 0 by default) never mix with qcomm's.
+_FIRST_TAG = 1 << 30
+_TAGS = 1 << 30
+_calls: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+# Transports of failed calls whose messages may still be in flight: kept
+# alive (their buffers may still be written) until many later failures.
+_abandoned: list[Transport] = []
+_KEEP_ABANDONED = 32
+# Receives start at multiples of this many bytes in the shared buffer: codecs
+# view in-band float32 scales, and vector loads like aligned data.
+_ALIGN = 64
+
+
+def open_transport(group: dist.ProcessGroup, rank: int, device: torch.device) -> Transport:
+    r"""
+    open_transport(group: ProcessGroup, rank: int, device: torch.device) -> Transport
+
+    The transport of one collective call on ``group``, chosen by its backend.
+
+    Args:
+        group (ProcessGroup): the call's group.
+        rank (int): this rank in ``group``.
+        device (torch.device): where the wire tensors live.
+
+    Returns:
+        Transport: point-to-point on gloo with CPU tensors, the backend's
+        all-to-all otherwise.
+    """
+    if device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower():
+        count = _calls.get(group, 0)
+        _calls[group] = count + 1
+        return PointToPoint(group, rank, device, _FIRST_TAG + count % _TAGS)
+    return OneAllToAll(group, rank, device)
+
+
+def _aligned(numel: int, dtype: torch.dtype) -> int:
+    unit = max(1, _ALIGN // dtype.itemsize)
+    return -(-numel // unit) * unit
+
+
+class Transport:
+    r"""
+    The wire of one collective call: receives declared first, then sends,
+    then the receives waited for one by one.
+
+    Args:
+        group (ProcessGroup): the call's group.
+        rank (int): this rank in ``group``.
+        device (torch.device): where the wire tensors live.
+    """
+
+    #: whether a peer's data may travel as several messages (chunks)
+    chunked = False
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
+        self.group = group
+        self.rank = rank
+        self.device = device
+        # Declared receives: (peer, offset in the shared buffer, numel, own tensor).
+        self._recvs: list[tuple[int, int, int, torch.Tensor | None]] = []
+        self._end = 0
+        self._dtype = torch.uint8
+        self._buffer: torch.Tensor | None = None
+        self._sends: list[tuple[int, torch.Tensor]] = []
+
+    def expect(
+        self, peer: int, numel: int, dtype: torch.dtype, into: torch.Tensor | None = None
+    ) -> int:
+        r"""
+        expect(peer: int, numel: int, dtype: torch.dtype, into: Tensor | None = None) -> int
+
+        Declares a receive of ``numel`` wire elements from ``peer``; all
+        receives of a call share one dtype.
+
+        Args:
+            peer (int): the sending rank.
+            numel (int): wire elements.
+            dtype (torch.dtype): the wire dtype.
+            into (Tensor, optional): a contiguous tensor of ``numel``
+                elements to receive into, where the transport can.
+                Default: ``None`` (a shared buffer).
+
+        Returns:
+            int: the receive's handle for :meth:`received`.
+        """
+        self._dtype = dtype
+        self._recvs.append((peer, self._end, numel, into))
+        self._end += _aligned(numel, dtype)
+        return len(self._recvs) - 1
+
+    def _shared(self, total: int) -> torch.Tensor:
+        self._buffer = _buffers.take(total, self._dtype, self.device)
+        return self._buffer
+
+    def start(self) -> None:
+        r"""
+        start() -> None
+
+        Posts the declared receives where the backend allows it before any send.
+        """
+
+    def send(self, peer: int, wire: torch.Tensor) -> None:
+        r"""
+        send(peer: int, wire: Tensor) -> None
+
+        Sends a contiguous 1-D wire tensor to ``peer``; it must stay unchanged
+        until :meth:`close`.
+
+        Args:
+            peer (int): the receiving rank.
+            wire (Tensor): 1-D contiguous.
+        """
+        self._dtype = wire.dtype
+        self._sends.append((peer, wire))
+
+    def flush(self) -> None:
+        r"""
+        flush() -> None
+
+        Called after the last send: a transport that sends everything at
+        once does it here.
+        """
+
+    def _wait_for(self, handle: int) -> None:
+        raise NotImplementedError
+
+    def received(self, handle: int) -> torch.Tensor:
+        r"""
+        received(handle: int) -> Tensor
+
+        Waits for a declared receive and returns its wire: the ``into``
+        tensor, or a view of a buffer that :meth:`close` hands back for reuse.
+
+        Args:
+            handle (int): from :meth:`expect`.
+
+        Returns:
+            Tensor: 1-D, the declared size.
+        """
+        self._wait_for(handle)
+        _, offset, numel, into = self._recvs[handle]
+        if into is not None:
+            return into.view(-1)
+        if self._buffer is None:
+            return torch.empty(0, dtype=self._dtype, device=self.device)
+        return self._buffer[offset : offset + numel]
+
+    def close(self) -> None:
+        r"""
+        close() -> None
+
+        Waits for every send and gives the receive buffer back for reuse.
+        """
+        self._sends.clear()
+        if self._buffer is not None:
+            _buffers.give(self._buffer)
+            self._buffer = None
+
+    def abandon(self) -> None:
+        r"""
+        abandon() -> None
+
+        Gives up on a call that failed half-way, without waiting: its posted
+        messages keep their memory, and its tag is never used again.
+        """
+        _abandoned.append(self)
+        del _abandoned[:-_KEEP_ABANDONED]
+
+
+class PointToPoint(Transport):
+    r"""
+    Each receive and each send its own message, receives posted first (gloo).
+    """
+
+    chunked = True
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device, tag: int) -> None:
+        super().__init__(group, rank, device)
+        self.tag = tag
+        self._recv_work: list[Any] = []
+        self._send_work: list[Any] = []
+
+    def start(self) -> None:
+        shared = any(into is None and numel for _, _, numel, into in self._recvs)
+        buffer = self._shared(self._end) if shared else None
+        for peer, offset, numel, into in self._recvs:
+            if not numel:
+                self._recv_work.append(None)
+                continue
+            target = into.view(-1) if into is not None else buffer[offset : offset + numel]  # type: ignore[index]
+            self._recv_work.append(self.group.recv([target], peer, self.tag))
+
+    def send(self, peer: int, wire: torch.Tensor) -> None:
+        super().send(peer, wire)
+        if wire.numel():
+            self._send_work.append(self.group.send([wire], peer, self.tag))
+
+    def _wait_for(self, handle: int) -> None:
+        work = self._recv_work[handle]
+        if work is not None:
+            work.wait()
+
+    def close(self) -> None:
+        try:
+            for work in self._send_work:
+                work.wait()
+        finally:
+            self._send_work.clear()
+            super().close()
+
+
+class OneAllToAll(Transport):
+    r"""
+    One all-to-all of the backend per call, at most one send and one receive
+    per peer (NCCL and other backends).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
+        super().__init__(group, rank, device)
+        self._work: Any = None
+
+    def flush(self) -> None:
+        world = dist.get_world_size(self.group)
+        send_sizes, recv_sizes = [0] * world, [0] * world
+        by_peer: dict[int, torch.Tensor] = {}
+        for peer, wire in self._sends:
+            if peer in by_peer:
+                raise AssertionError("qcomm: one all-to-all carries one send per peer")
+            by_peer[peer] = wire
+            send_sizes[peer] = _aligned(wire.numel(), self._dtype)
+        for peer, _, numel, _ in self._recvs:
+            recv_sizes[peer] = _aligned(numel, self._dtype)
+        send = torch.empty(sum(send_sizes), dtype=self._dtype, device=self.device)
+        start = 0
+        for peer in range(world):
+            if peer in by_peer:
+                send[start : start + by_peer[peer].numel()].copy_(by_peer[peer])
+            start += send_sizes[peer]
+        # The all-to-all delivers in peer order: lay the receives out so.
+        starts = [sum(recv_sizes[:peer]) for peer in range(world)]
+        self._recvs = [(peer, starts[peer], numel, None) for peer, _, numel, _ in self._recvs]
+        recv = self._shared(sum(recv_sizes))
+        self._send_buffer = send
+        self._work = dist.all_to_all_single(
+            recv, send, recv_sizes, send_sizes, group=self.group, async_op=True
+        )
+
+    def _wait_for(self, handle: int) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def close(self) -> None:
+        self._wait_for(0)
+        super().close()

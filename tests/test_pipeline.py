@@ -1,0 +1,403 @@
+"""The collectives' pipeline: chunks, transports and what they must not change.
+
+- Cutting a call into chunks changes no bit: for every codec (the built-in
+  plugins and the test-local codecs of ``test_collectives``) and every
+  collective, forward output and input gradient with tiny chunks, with
+  automatic chunks and in one piece are identical, on 2 and 3 ranks, with
+  uneven splits, widths that need padding and empty blocks.
+- The backend's all-to-all transport (what NCCL uses) gives the same bits as
+  the point-to-point one (what gloo uses), run here on gloo.
+- A call that fails half-way (a codec raising on a later chunk) leaves the
+  group usable for the next call; ``chunk_bytes`` is checked and must agree
+  on all ranks.
+- Chunk boundaries (unit tests): whole rows, multiples of the codec's block.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from test_collectives import (
+    CODEC_NAMES,
+    CastFP16Codec,
+    assert_equal,
+    gen,
+    pair,
+    run_all,
+)
+
+import qcomm
+import qcomm.collectives._exchange as qexchange
+import qcomm.collectives._transport as qtransport
+from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
+
+WORLD_SIZES = (2, 3)
+TINY = 256  # bytes: 64 elements, many chunks even for small inputs
+WHOLE = 1 << 40  # one chunk per region
+
+# (batches, dims) of the pooled all-to-all: uneven, with an empty batch and
+# widths that block codecs pad; large enough for many tiny chunks.
+POOLED = {2: ([37, 0], [40, 24]), 3: ([20, 9, 0], [33, 8, 64])}
+# Rows every rank sends every rank (sequence), rows per block (reduce-scatter).
+SEQUENCE = {2: [[40, 7], [0, 50]], 3: [[9, 0, 30], [12, 20, 1], [0, 8, 8]]}
+REDUCE_SCATTER = {2: [23, 41], 3: [15, 0, 31]}
+WIDTH = (13,)
+
+
+def pooled(rank: int, world: int, codec: str | None, chunk: int | None, tag: str) -> Any:
+    batches, dims = POOLED[world]
+    x = gen(f"{tag}:x{rank}", (sum(batches), dims[rank]), False).requires_grad_(True)
+    g = gen(f"{tag}:g{rank}", (batches[rank], sum(dims)), False)
+    codecs = pair(codec) if codec else None
+    out = qcomm.all_to_all_pooled(x, batches, dims, codecs=codecs, chunk_bytes=chunk).wait()
+    out.backward(g)
+    return out.detach(), x.grad
+
+
+def reduce_scatter(rank: int, world: int, codec: str | None, chunk: int | None, tag: str) -> Any:
+    splits = REDUCE_SCATTER[world]
+    x = gen(f"{tag}:x{rank}", (sum(splits), *WIDTH), False).requires_grad_(True)
+    g = gen(f"{tag}:g{rank}", (splits[rank], *WIDTH), False)
+    codecs = pair(codec) if codec else None
+    out = qcomm.reduce_scatter_pooled(
+        x, input_splits=splits, codecs=codecs, chunk_bytes=chunk
+    ).wait()
+    out.backward(g)
+    return out.detach(), x.grad
+
+
+def sequence(rank: int, world: int, codec: str | None, chunk: int | None, tag: str) -> Any:
+    matrix = SEQUENCE[world]
+    sends = matrix[rank]
+    recvs = [matrix[k][rank] for k in range(world)]
+    x = gen(f"{tag}:x{rank}", (sum(sends), *WIDTH), False).requires_grad_(True)
+    g = gen(f"{tag}:g{rank}", (sum(recvs), *WIDTH), False)
+    codecs = pair(codec) if codec else None
+    out = qcomm.all_to_all_sequence(
+        x, input_splits=sends, output_splits=recvs, codecs=codecs, chunk_bytes=chunk
+    ).wait()
+    out.backward(g)
+    return out.detach(), x.grad
+
+
+OPS: dict[str, Callable[..., Any]] = {
+    "pooled": pooled,
+    "reduce_scatter": reduce_scatter,
+    "sequence": sequence,
+}
+
+
+def same_bits(what: str, a: tuple[torch.Tensor, torch.Tensor], b: Any) -> None:
+    assert_equal(f"{what} output", b[0], a[0])
+    assert_equal(f"{what} input gradient", b[1], a[1])
+    # NaN-free inputs: equal values are equal bits, but say so for -0.0.
+    assert torch.equal(a[0].view(torch.int32), b[0].view(torch.int32)), f"{what}: signs of zero"
+
+
+def check_chunking(rank: int, world: int, op: str, codec: str | None) -> None:
+    call = OPS[op]
+    whole = call(rank, world, codec, WHOLE, f"{op}")
+    same_bits(f"{op} {codec} tiny chunks", whole, call(rank, world, codec, TINY, f"{op}"))
+    same_bits(f"{op} {codec} 1000-byte chunks", whole, call(rank, world, codec, 1000, f"{op}"))
+    same_bits(f"{op} {codec} automatic", whole, call(rank, world, codec, None, f"{op}"))
+
+
+def case_chunking(rank: int, world: int, codec: str | None) -> None:
+    run_all([functools.partial(check_chunking, rank, world, op, codec) for op in OPS])
+
+
+def case_automatic_chunks_of_a_large_call(rank: int, world: int) -> None:
+    # 2 MiB per region: the automatic size cuts it in two; int8 and fp16.
+    batches, dims = [4096] * world, [128] * world
+    x = gen(f"big:x{rank}", (sum(batches), dims[rank]), False)
+    for codec in ("int8", "fp16"):
+        codecs = pair(codec)
+        auto = qcomm.all_to_all_pooled(x, batches, dims, codecs=codecs).wait()
+        whole = qcomm.all_to_all_pooled(x, batches, dims, codecs=codecs, chunk_bytes=WHOLE).wait()
+        assert_equal(f"large {codec}", auto, whole)
+    assert qexchange.chunk_elements(4096 * 128, None) < 4096 * 128
+
+
+def case_one_all_to_all_transport(rank: int, world: int) -> None:
+    # What NCCL runs (one all-to-all per call, one chunk per peer), on gloo.
+    def one(group: Any, r: int, device: torch.device) -> qtransport.Transport:
+        return qtransport.OneAllToAll(group, r, device)
+
+    opened = qtransport.open_transport
+    expected = {
+        (op, codec): OPS[op](rank, world, codec, TINY, f"a2a-{op}")
+        for op in OPS
+        for codec in (None, "int8", "test_row_int8", "test_tensor_int8")
+    }
+    for module in ("pooled", "reduce_scatter", "sequence"):
+        getattr(qcomm.collectives, module).open_transport = one
+    try:
+        checks = [
+            functools.partial(
+                lambda op, codec, ref: same_bits(
+                    f"{op} {codec} one all-to-all",
+                    ref,
+                    OPS[op](rank, world, codec, TINY, f"a2a-{op}"),
+                ),
+                op,
+                codec,
+                ref,
+            )
+            for (op, codec), ref in expected.items()
+        ]
+        run_all(checks)
+    finally:
+        for module in ("pooled", "reduce_scatter", "sequence"):
+            getattr(qcomm.collectives, module).open_transport = opened
+
+
+class FailsLaterCodec(CastFP16Codec):
+    """Encodes its first chunk of each call, then raises: the call fails half-way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.info = CodecInfo(name="fails_later", bits_per_element=16, rel_error_bound=2.0**-11)
+        self.calls = 0
+
+    def encode(self, input_tensor: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("no more chunks today")
+        return super().encode(input_tensor, ctx)
+
+
+def expect_error(error: type[BaseException], words: tuple[str, ...], fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except error as err:
+        missing = [w for w in words if w not in str(err)]
+        assert not missing, f"{error.__name__} without {missing}: {err}"
+        return
+    raise AssertionError(f"expected {error.__name__} naming {words}, nothing raised")
+
+
+def case_failure_half_way_leaves_the_group_usable(rank: int, world: int) -> None:
+    batches, dims = [64] * world, [16] * world
+    x = gen(f"fail:x{rank}", (sum(batches), dims[rank]), False)
+    codecs = QuantizedCommCodecs(forward=FailsLaterCodec(), backward=FailsLaterCodec())
+    expect_error(
+        CodecError,
+        ("fails_later", "no more chunks today"),
+        lambda: qcomm.all_to_all_pooled(x, batches, dims, codecs=codecs, chunk_bytes=TINY),
+    )
+    # The next calls, chunked, still line up on every rank.
+    for op in OPS:
+        ref = OPS[op](rank, world, None, WHOLE, f"after-{op}")
+        same_bits(f"{op} after a failed call", ref, OPS[op](rank, world, None, TINY, f"after-{op}"))
+
+
+def case_chunk_bytes_is_checked(rank: int, world: int) -> None:
+    batches, dims = [2] * world, [3] * world
+    x = torch.ones(sum(batches), dims[rank])
+    a2a = qcomm.all_to_all_pooled
+    run_all(
+        [
+            functools.partial(
+                expect_error,
+                TypeError,
+                ("chunk_bytes", "float"),
+                lambda: a2a(x, batches, dims, chunk_bytes=1.5),
+            ),
+            functools.partial(
+                expect_error,
+                ValueError,
+                ("chunk_bytes", "positive"),
+                lambda: a2a(x, batches, dims, chunk_bytes=0),
+            ),
+            functools.partial(
+                expect_error,
+                TypeError,
+                ("chunk_bytes", "bool"),
+                lambda: qcomm.reduce_scatter_pooled(x, chunk_bytes=True),
+            ),
+        ]
+    )
+    # Ranks that cut different chunks would mismatch messages: refused.
+    os.environ["QCOMM_VERIFY"] = "1"
+    try:
+        expect_error(
+            CodecError,
+            ("chunk_bytes", "rank"),
+            lambda: a2a(x, batches, dims, chunk_bytes=1024 * (rank + 1)).wait(),
+        )
+    finally:
+        del os.environ["QCOMM_VERIFY"]
+
+
+CASES: dict[str, Callable[[int, int], None]] = {
+    "noop": functools.partial(case_chunking, codec=None),
+    **{f"chunking[{c}]": functools.partial(case_chunking, codec=c) for c in CODEC_NAMES},
+    "automatic_chunks": case_automatic_chunks_of_a_large_call,
+    "one_all_to_all_transport": case_one_all_to_all_transport,
+    "failure_half_way": case_failure_half_way_leaves_the_group_usable,
+    "chunk_bytes_checked": case_chunk_bytes_is_checked,
+}
+
+
+def run_cases(rank: int, world: int) -> dict[str, str | None]:
+    # As in test_collectives: after an error other than a failed check the
+    # ranks may be out of step, so the remaining cases are not run.
+    outcome: dict[str, str | None] = {}
+    names = list(CASES)
+    for i, name in enumerate(names):
+        try:
+            CASES[name](rank, world)
+            outcome[name] = None
+        except AssertionError:
+            outcome[name] = traceback.format_exc()
+        except Exception:
+            outcome[name] = traceback.format_exc()
+            for later in names[i + 1 :]:
+                outcome[later] = f"not run: case {name} raised on rank {rank}"
+            break
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def spawned() -> Callable[[int], dict[str, str | None]]:
+    cache: dict[int, Any] = {}
+
+    def outcomes(world: int) -> dict[str, str | None]:
+        if world not in cache:
+            try:
+                per_rank = run_ranks(run_cases, world, timeout=600.0, pg_timeout=30.0)
+                cache[world] = {
+                    name: "\n".join(
+                        f"--- rank {r} ---\n{res[name]}"
+                        for r, res in enumerate(per_rank)
+                        if res[name]
+                    )
+                    or None
+                    for name in CASES
+                }
+            except BaseException as err:
+                cache[world] = err
+        if isinstance(cache[world], BaseException):
+            raise cache[world]
+        return cache[world]  # type: ignore[no-any-return]
+
+    return outcomes
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_pipeline(world: int, case: str, spawned: Callable[[int], dict[str, str | None]]) -> None:
+    failure = spawned(world)[case]
+    if failure:
+        pytest.fail(f"{case} on {world} ranks:\n{failure}", pytrace=False)
+
+
+# --------------------------------------------------------------------------
+# Chunk boundaries, without ranks.
+
+
+def test_automatic_chunk_size() -> None:
+    assert qexchange.chunk_elements(100, None) == 100  # small: one chunk
+    assert qexchange.chunk_elements(1 << 18, None) == 1 << 18
+    assert qexchange.chunk_elements(1 << 20, None) == 1 << 18  # at least 1 MiB of float32
+    assert qexchange.chunk_elements(1 << 26, None) == 1 << 23  # at most 8 chunks
+    assert qexchange.chunk_elements(1 << 26, 4096) == 1024  # float32 bytes
+
+
+def test_rows_cut_at_whole_rows_and_blocks() -> None:
+    region = qexchange.Rows(torch.zeros(100, 40), padded=48)
+    chunks = region.chunks(32, 1000)
+    assert chunks[0][0] == 0 and chunks[-1][1] == 100 * 48
+    for start, stop in chunks:
+        assert start % 48 == 0 and start % 32 == 0
+        assert (stop - start) % 48 == 0
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    assert qexchange.Rows(torch.zeros(0, 40), 48).chunks(32, 10) == [(0, 0)]
+    assert qexchange.Rows(torch.zeros(5, 0), 0).chunks(32, 10) == [(0, 0)]
+
+
+def test_rows_read_pads_and_write_strips() -> None:
+    base = torch.arange(30.0).view(5, 6)
+    region = qexchange.Rows(base[:, 1:4], padded=8)
+    chunk = region.read(8, 24)  # rows 1 and 2
+    assert chunk.tolist() == [7, 8, 9, 0, 0, 0, 0, 0, 13, 14, 15, 0, 0, 0, 0, 0]
+    out = torch.zeros(5, 6)
+    target = qexchange.Rows(out[:, 2:5], padded=8)
+    target.write(8, 24, chunk, add=False)
+    assert out[1, 2:5].tolist() == [7, 8, 9] and out[2, 2:5].tolist() == [13, 14, 15]
+    target.write(8, 24, chunk, add=True)
+    assert out[1, 2:5].tolist() == [14, 16, 18]
+    assert target.target(8, 24) is None  # padding to strip: no direct decode
+    assert qexchange.Rows(out[:, 2:5], padded=3).target(3, 9) is not None
+
+
+def test_flat_cut_at_blocks_and_padded_at_its_end() -> None:
+    region = qexchange.Flat(torch.arange(70.0), padded=96)
+    chunks = region.chunks(32, 40)
+    assert chunks == [(0, 32), (32, 64), (64, 96)]
+    assert region.read(64, 96).tolist() == [*range(64, 70), *[0] * 26]
+    assert region.target(64, 96) is None and region.target(0, 32) is not None
+    assert qexchange.Flat(torch.zeros(0), 0).chunks(32, 40) == [(0, 0)]
+
+
+def test_peer_orders_mirror() -> None:
+    for world in (2, 3, 5):
+        for rank in range(world):
+            sends = qexchange.send_order(rank, world)
+            assert sorted(sends) == [r for r in range(world) if r != rank]
+            # My i-th send goes to the rank whose i-th receive comes from me.
+            for i, peer in enumerate(sends):
+                assert qexchange.recv_order(peer, world)[i] == rank
+
+
+# --------------------------------------------------------------------------
+# Outputs from reused memory.
+
+
+def test_leased_memory_comes_back_only_when_the_last_view_is_gone() -> None:
+    import gc
+
+    from qcomm.collectives import _buffers
+
+    shape = (512, 1024)  # 2 MiB of float32: above MIN_BYTES
+    out = _buffers.lease(shape, torch.float32, torch.device("cpu"))
+    assert out.shape == shape and out.is_contiguous() and out._base is None
+    address = out.data_ptr()
+    out.fill_(1.0)
+    view = out[10:20]
+    del out
+    gc.collect()
+    # The view still holds the memory: a new lease must not get it.
+    other = _buffers.lease(shape, torch.float32, torch.device("cpu"))
+    assert other.data_ptr() != address
+    other.fill_(2.0)
+    assert bool((view == 1.0).all())
+    del view
+    gc.collect()
+    again = _buffers.lease(shape, torch.float32, torch.device("cpu"))
+    assert again.data_ptr() == address  # reused, no fresh pages
+    again.mul_(3.0)  # an ordinary tensor: in-place works
+    with pytest.raises(RuntimeError, match="resiz"):
+        again.resize_(1024, 1024)
+    small = _buffers.lease((4, 4), torch.float32, torch.device("cpu"))
+    small.resize_(8, 8)  # small outputs are plain tensors
+
+
+def test_receive_buffers_are_reused_across_dtypes() -> None:
+    from qcomm.collectives import _buffers
+
+    first = _buffers.take(4 << 20, torch.uint8, torch.device("cpu"))
+    address = first.data_ptr()
+    _buffers.give(first)
+    wanted = (3 << 20) // 4 - 3  # float32s: within the best-fit range of 4 MiB
+    second = _buffers.take(wanted, torch.float32, torch.device("cpu"))
+    assert second.data_ptr() == address and second.dtype == torch.float32
+    assert second.numel() == wanted
+    _buffers.give(second)
