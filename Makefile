@@ -13,7 +13,7 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c const
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt Makefile $(wildcard plugins/*/pyproject.toml)
+$(STAMP): pyproject.toml constraints.txt Makefile $(wildcard plugins/*/pyproject.toml) $(wildcard plugins/*/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[cpu,dev]'

@@ -178,6 +178,12 @@ def test_wire_bytes_equal_fbgemm_across_chunks(monkeypatch: pytest.MonkeyPatch) 
         assert torch.equal(codec.decode(wire), _fbgemm().mx4_to_fp32(wire, group_size))
 
 
+def test_torch_code_equals_fbgemm_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same, on the torch code that runs where the C kernels do not.
+    monkeypatch.setenv("QCOMM_DISABLE_KERNELS", "1")
+    test_wire_bytes_equal_fbgemm_across_chunks(monkeypatch)
+
+
 def test_large_input_equals_its_pieces() -> None:
     # 12 MiB in and out: several loop steps, and buffers large enough to be
     # asked for huge pages; pieces of whole groups encode and decode alone.

@@ -38,6 +38,7 @@ SPECS = [
 BLOCK_SPECS = [s for s in SPECS if s.startswith(("int8", "fp8"))]
 MODULES = ["qcomm_builtin._blocks", "qcomm_builtin._fbgemm"]
 MODULES += ["qcomm_builtin.half", "qcomm_builtin.int8", "qcomm_builtin.fp8"]
+MODULES += ["qcomm_builtin._native"]
 
 
 @pytest.fixture(params=["fbgemm", "torch"])

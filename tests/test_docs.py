@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.machinery
+import importlib.util
 import io
 import pkgutil
 import re
@@ -36,8 +38,13 @@ def _module_names() -> list[str]:
         package = importlib.import_module(package_name)
         names.append(package_name)
         for info in pkgutil.walk_packages(package.__path__, package_name + "."):
-            # __main__ would run the CLI on import.
-            if info.name.rpartition(".")[2] != "__main__":
+            # __main__ would run the CLI on import; a compiled extension
+            # (qcomm_builtin._kernels) has no Python source to hold examples.
+            spec = importlib.util.find_spec(info.name)
+            compiled = spec is not None and (spec.origin or "").endswith(
+                tuple(importlib.machinery.EXTENSION_SUFFIXES)
+            )
+            if info.name.rpartition(".")[2] != "__main__" and not compiled:
                 names.append(info.name)
     return sorted(names)
 

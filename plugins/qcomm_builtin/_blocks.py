@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from typing import Any
 
 import torch
+
+from qcomm_builtin._native import check_out, copy_into, lines_of
 
 __all__ = [
     "BlockContext",
@@ -314,10 +317,13 @@ class BlockCodec:
     r"""
     The members every block codec shares: a block of :attr:`block` input
     elements travels as :attr:`block_bytes` wire bytes, a partial last block
-    is padded, and pooled inputs get their columns padded to whole blocks.
+    is padded, pooled inputs get their columns padded to whole blocks, and
+    :meth:`decode_into` writes straight into the caller's layout where the
+    codec's C kernel can.
 
     Subclasses set both attributes in ``__init__`` and add ``encode``,
-    ``decode``, ``quantized_dtype`` and ``info``.
+    ``decode``, ``quantized_dtype``, ``info`` and, when they have a C
+    decoder, ``_decode_lines``.
     """
 
     #: input elements per block (``row_dim`` or ``group_size``)
@@ -379,3 +385,40 @@ class BlockCodec:
             ValueError: if the input's width is not ``dim_per_rank[my_rank]``.
         """
         return block_padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx, self.block)
+
+    def _decode_lines(
+        self, wire: torch.Tensor, blocks: int, out: torch.Tensor, width: int, stride: int
+    ) -> bool:
+        # Decodes `blocks` blocks of `wire` with the C kernel into `out`, laid
+        # out as lines of `width` floats `stride` apart; False where no kernel
+        # may (the caller then decodes and copies).
+        return False
+
+    def decode_into(self, input_grad: torch.Tensor, out: torch.Tensor, ctx: Any = None) -> None:
+        r"""
+        decode_into(input_grad: Tensor, out: Tensor, ctx: Any = None) -> None
+
+        Writes what ``decode`` returns into ``out``, in row-major order. With
+        the C kernels, a contiguous ``out``, or lines of whole blocks such as
+        a column band ``big[:, a:b]`` of a larger matrix, is written directly;
+        any other layout gets a decoded copy.
+
+        Args:
+            input_grad (Tensor): ``uint8`` wire of whole blocks.
+            out (Tensor): float32, :attr:`block` elements per wire block, any
+                shape and strides.
+            ctx (Any, optional): ignored. Default: ``None``.
+
+        Raises:
+            ValueError: if ``input_grad`` is malformed (as ``decode``), or
+                ``out`` is not a float32 tensor of that many elements.
+        """
+        name = self.info.name  # type: ignore[attr-defined]
+        wire = check_wire(input_grad, torch.uint8, self.block_bytes, name)
+        blocks = wire.numel() // self.block_bytes
+        check_out(out, blocks * self.block, name)
+        if blocks == 0:
+            return
+        lines = lines_of(out, self.block) if wire.device.type == "cpu" else None
+        if lines is None or not self._decode_lines(wire, blocks, out, *lines):
+            copy_into(out, self.decode(wire, ctx))  # type: ignore[attr-defined]

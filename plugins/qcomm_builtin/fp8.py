@@ -10,9 +10,11 @@ fbgemm's element formats are its "HFP8" ones: 1-4-3 with exponent bias 15
 vectorized torch cast produces exactly fbgemm's bytes.
 
 fbgemm has no CPU kernel for this format (only CUDA), so the torch code runs
-everywhere. Its element rounding is tested bit for bit against fbgemm's CPU
-kernel of the same element format (``FloatToHFP8Quantized``); the row layout,
-the scale formula and the decoding follow fbgemm's CUDA sources. Two
+everywhere; on CPU qcomm's C kernels (``qcomm_builtin._kernels``) run instead
+when they were built, with the same bits (tested). The element rounding is
+tested bit for bit against fbgemm's CPU kernel of the same element format
+(``FloatToHFP8Quantized``); the row layout, the scale formula and the
+decoding follow fbgemm's CUDA sources. Two
 deliberate differences: the bytes between ``row_dim`` and the next multiple of
 4, which fbgemm's kernel leaves unwritten, are zero here; and for a
 ``row_dim`` that is not a multiple of 4 ``decode`` returns ``row_dim`` values
@@ -34,6 +36,7 @@ from qcomm_builtin._blocks import (
     flatten_input,
     pad_to_blocks,
 )
+from qcomm_builtin._native import kernels
 
 __all__ = ["DEFAULT_ROW_DIM", "FP8E4M3Codec", "FP8E5M2Codec"]
 
@@ -58,6 +61,7 @@ class _RowwiseFP8Codec(BlockCodec):
     _max_pos: float  # fbgemm's largest element value
     _shift: float  # fbgemm value * shift == OCP value, bit for bit
     _mbits: int
+    _e5m2: bool  # the element format the C kernels are asked for
 
     def __init__(self, row_dim: int = DEFAULT_ROW_DIM) -> None:
         self.block = check_block_size("row_dim", row_dim)
@@ -135,6 +139,11 @@ class _RowwiseFP8Codec(BlockCodec):
             TypeError: if ``input_tensor`` is not a floating-point tensor.
         """
         flat = flatten_input(input_tensor, self._name)
+        k = kernels() if flat.device.type == "cpu" else None
+        if k is not None:
+            out = torch.empty(self.calc_quantized_size(flat.numel()), dtype=torch.uint8)
+            k.fp8_encode(flat.data_ptr(), flat.numel(), out.data_ptr(), self.block, self._e5m2)
+            return out
         rows = pad_to_blocks(flat, self.block).view(-1, self.block)
         # Zero-filled, so padding bytes and the reserved 4 bytes are 0.
         out = torch.zeros(rows.shape[0], self.block_bytes, dtype=torch.uint8, device=rows.device)
@@ -163,6 +172,14 @@ class _RowwiseFP8Codec(BlockCodec):
         rows = wire.view(-1, self.block_bytes)
         if rows.shape[0] == 0:
             return torch.zeros(0, device=rows.device)
+        k = kernels() if rows.device.type == "cpu" else None
+        if k is not None:
+            n = rows.shape[0] * self.block
+            out = torch.empty(n, dtype=torch.float32)
+            k.fp8_decode(
+                wire.data_ptr(), rows.shape[0], out.data_ptr(), self.block, self._e5m2, n, n
+            )
+            return out
         a = self._values_bytes
         scale = rows[:, a : a + 4].clone(memory_format=torch.contiguous_format).view(torch.float32)
         # value / (scale * shift) is the same float32 as fbgemm's value / scale
@@ -170,6 +187,15 @@ class _RowwiseFP8Codec(BlockCodec):
         # `shift` is exact.
         values = rows[:, : self.block].view(self._fp8).to(torch.float32)
         return values.div_(scale.mul_(self._shift)).view(-1)
+
+    def _decode_lines(
+        self, wire: torch.Tensor, blocks: int, out: torch.Tensor, width: int, stride: int
+    ) -> bool:
+        k = kernels()
+        if k is None:
+            return False
+        k.fp8_decode(wire.data_ptr(), blocks, out.data_ptr(), self.block, self._e5m2, width, stride)
+        return True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(row_dim={self.block})"
@@ -230,6 +256,7 @@ class FP8E4M3Codec(_RowwiseFP8Codec):
     _max_pos = 0.9375
     _shift = 2.0**8
     _mbits = 3
+    _e5m2 = False
 
 
 class FP8E5M2Codec(_RowwiseFP8Codec):
@@ -284,3 +311,4 @@ class FP8E5M2Codec(_RowwiseFP8Codec):
     _max_pos = 0.875
     _shift = 2.0**16
     _mbits = 2
+    _e5m2 = True

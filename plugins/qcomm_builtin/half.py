@@ -19,6 +19,7 @@ import torch
 
 from qcomm import CodecInfo
 from qcomm_builtin._blocks import block_padded_size, check_wire, flatten_input
+from qcomm_builtin._native import check_out, copy_into
 
 __all__ = ["BF16Codec", "FP16Codec"]
 
@@ -141,6 +142,36 @@ class _HalfCodec:
         if self._loss_scale is not None:
             out.div_(self._loss_scale)
         return out.view(input_grad.shape)
+
+    def decode_into(
+        self, input_grad: torch.Tensor, out: torch.Tensor, ctx: Any | None = None
+    ) -> None:
+        r"""
+        decode_into(input_grad: Tensor, out: Tensor, ctx: Any | None = None) -> None
+
+        Writes what :meth:`decode` returns into ``out``, in row-major order: a
+        widening copy straight into ``out``, then the division by the loss
+        scale in place, in float32 as :meth:`decode` does it.
+
+        Args:
+            input_grad (Tensor): wire tensor of :attr:`quantized_dtype`.
+            out (Tensor): float32, as many elements as ``input_grad``, any
+                shape and strides.
+            ctx (Any, optional): ignored. Default: ``None``.
+
+        Raises:
+            ValueError: if ``input_grad`` does not have :attr:`quantized_dtype`,
+                or ``out`` is not a float32 tensor of that many elements.
+        """
+        wire = check_wire(input_grad, self._dtype, 1, self._name)
+        check_out(out, wire.numel(), self._name)
+        if out.device != wire.device:
+            # decode's division runs on the wire's device; keep its result.
+            copy_into(out, self.decode(wire, ctx))
+            return
+        out.copy_(wire.view(out.shape))
+        if self._loss_scale is not None:
+            out.div_(self._loss_scale)
 
     def calc_quantized_size(self, input_len: int, ctx: Any | None = None) -> int:
         r"""

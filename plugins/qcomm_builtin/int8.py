@@ -2,12 +2,14 @@ r"""
 The ``int8`` codec: row-wise min/max 8-bit quantization in fbgemm's fused
 format (``FloatToFused8BitRowwiseQuantized``), scale and bias in-band.
 
-On CPU it runs fbgemm-gpu's kernel when present; otherwise a torch
-implementation that gives the same bytes (tested bit for bit).
+On CPU it runs qcomm's C kernels (``qcomm_builtin._kernels``) when they were
+built, else fbgemm-gpu's kernel when present, else a torch implementation;
+all three give the same bytes and values (tested bit for bit).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -23,6 +25,7 @@ from qcomm_builtin._blocks import (
     pad_to_blocks,
 )
 from qcomm_builtin._fbgemm import fbgemm_ops
+from qcomm_builtin._native import kernels
 
 __all__ = ["DEFAULT_ROW_DIM", "Int8Codec"]
 
@@ -74,6 +77,37 @@ def _quantize_rows_fbgemm(ops: Any, rows: torch.Tensor) -> torch.Tensor:
     if not bool(torch.isfinite(rows.sum(dtype=torch.float32))):
         _mark_bad_rows(rows.amax(dim=1) - rows.amin(dim=1), out)
     return out
+
+
+def _dequantize_rows(rows: torch.Tensor, d: int) -> torch.Tensor:
+    # q * scale + bias of every wire row, the torch way.
+    scale_bias = rows[:, d:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    values = rows[:, :d].to(torch.float32)
+    return torch.addcmul(scale_bias[:, 1:], values, scale_bias[:, :1]).view(-1)
+
+
+@functools.cache
+def _rounds_once() -> bool | None:
+    # Whether _dequantize_rows rounds q * scale + bias once (a fused
+    # multiply-add: torch's CPU kernels where the CPU has FMA) or twice, the
+    # same for any row length; the C kernel then does the same. None when it
+    # depends on the row length. The probe: 192 * (1 + 2**-23) lies halfway
+    # between 192 + 2**-16 (odd) and 192 + 2**-15 (even), and the bias
+    # -2**-30 pulls it below: one rounding goes down, two go to the even one.
+    q, scale, bias = 192, 1.0 + 2.0**-23, -(2.0**-30)
+    once, twice = 192.0 + 2.0**-16, 192.0 + 2.0**-15
+    results = set()
+    for d in (1, 3, 8, 32, 33):
+        meta = torch.tensor([scale, bias], dtype=torch.float32).view(torch.uint8)
+        row = torch.cat([torch.full((d,), q, dtype=torch.uint8), meta])
+        results |= set(_dequantize_rows(row.repeat(5, 1), d).tolist())
+    return {once: True, twice: False}.get(results.pop()) if len(results) == 1 else None
+
+
+def _decode_kernels() -> Any | None:
+    # The C kernels, when int8 decoding may use them (see _rounds_once).
+    k = kernels()
+    return k if k is not None and _rounds_once() is not None else None
 
 
 class Int8Codec(BlockCodec):
@@ -181,6 +215,11 @@ class Int8Codec(BlockCodec):
             TypeError: if ``input_tensor`` is not a floating-point tensor.
         """
         flat = flatten_input(input_tensor, "int8")
+        k = kernels() if flat.device.type == "cpu" else None
+        if k is not None:
+            out = torch.empty(self.calc_quantized_size(flat.numel()), dtype=torch.uint8)
+            k.int8_encode(flat.data_ptr(), flat.numel(), out.data_ptr(), self.block)
+            return out
         rows = pad_to_blocks(flat, self.block, edge=True).view(-1, self.block)
         if rows.shape[0] == 0:
             return torch.zeros(0, dtype=torch.uint8, device=rows.device)
@@ -213,12 +252,27 @@ class Int8Codec(BlockCodec):
         d = self.block
         if rows.shape[0] == 0:
             return torch.zeros(0, device=rows.device)
+        k = _decode_kernels() if rows.device.type == "cpu" else None
+        if k is not None:
+            n = rows.shape[0] * d
+            out = torch.empty(n, dtype=torch.float32)
+            k.int8_decode(wire.data_ptr(), rows.shape[0], out.data_ptr(), d, n, n, _rounds_once())
+            return out
         ops = fbgemm_ops() if rows.device.type == "cpu" else None
         if ops is not None:
             return ops.Fused8BitRowwiseQuantizedToFloat(rows).view(-1)
-        scale_bias = rows[:, d:].clone(memory_format=torch.contiguous_format).view(torch.float32)
-        values = rows[:, :d].to(torch.float32)
-        return torch.addcmul(scale_bias[:, 1:], values, scale_bias[:, :1]).view(-1)
+        return _dequantize_rows(rows, d)
+
+    def _decode_lines(
+        self, wire: torch.Tensor, blocks: int, out: torch.Tensor, width: int, stride: int
+    ) -> bool:
+        k = _decode_kernels()
+        if k is None:
+            return False
+        k.int8_decode(
+            wire.data_ptr(), blocks, out.data_ptr(), self.block, width, stride, _rounds_once()
+        )
+        return True
 
     def __repr__(self) -> str:
         return f"Int8Codec(row_dim={self.block})"

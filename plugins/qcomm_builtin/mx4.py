@@ -5,7 +5,9 @@ elements two per byte and one shared E8M0 exponent per group.
 The wire bytes are those of fbgemm's CPU reference ``py_quantize_mx4`` for
 finite input (tested bit for bit; see :class:`MX4Codec` for the one
 exception), but computed by a vectorized torch implementation that is much
-faster, on any device; fbgemm is not needed.
+faster, on any device; fbgemm is not needed. On CPU, qcomm's C kernels
+(``qcomm_builtin._kernels``) run instead when they were built, except for
+``stochastic`` encoding; they give the same bits (tested).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from qcomm_builtin._blocks import (
     flatten_input,
     pad_to_blocks,
 )
+from qcomm_builtin._native import kernels
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
@@ -193,6 +196,59 @@ def shared_exponents(group_max: torch.Tensor, rounding: str) -> torch.Tensor:
     else:
         raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
     return torch.clamp(e - _EBITS, -127, 125)
+
+
+# Mantissas (of 2**23) probed in every binade to build _exponent_table: all
+# of them near where an exponent can step (the bottom, sqrt(2) and the top of
+# the binade), and a sparse grid in between to check that it does not.
+_PROBE_WINDOW = 2048
+_MANTISSA_END = 1 << 23
+_SQRT2_MANTISSA = round((math.sqrt(2.0) - 1.0) * _MANTISSA_END)
+
+
+@functools.cache
+def _exponent_table(rounding: str) -> torch.Tensor | None:
+    # The C kernels' form of shared_exponents(): for every float32 exponent
+    # field f (the binade [2**(f-127), 2**(f-126))), ints (base, lo, hi) such
+    # that the E8M0 byte of a group maximum with field f and mantissa m is
+    # base + (m >= lo) + (m >= hi). "even" reads the floor table at the
+    # pre-rounded maximum. The bytes come from shared_exponents itself, so
+    # from this torch's own float32 log2 and its rounding. Mathematically the
+    # byte is constant in a binade except at most one step near its bottom,
+    # sqrt(2) or top; float32 log2 (at most 1 ulp off, 2**-16 at |log2| <= 128)
+    # can move a step only some 200 mantissas from where it belongs, well
+    # inside the probed windows. Anything else found (a step of more than one,
+    # downwards, between probes, or more than two) leaves the mode to torch:
+    # None.
+    mode = "floor" if rounding == "even" else rounding
+    w, end = _PROBE_WINDOW, _MANTISSA_END
+    probes = torch.cat(
+        [
+            torch.arange(0, w),
+            torch.arange(_SQRT2_MANTISSA - w, _SQRT2_MANTISSA + w),
+            torch.arange(end - w, end),
+            torch.arange(0, end, end // 256),
+        ]
+    ).unique()  # sorted
+    fields = torch.arange(1, 255)
+    bits = ((fields[:, None] << 23) | probes[None, :]).to(torch.int32)
+    exps = shared_exponents(bits.view(torch.float32).view(-1), mode).view(bits.shape)
+    byte = exps.to(torch.int32) + 127
+    steps = byte.diff(dim=1)
+    adjacent = probes.diff() == 1
+    if bool((steps < 0).any() | (steps > 1).any() | ((steps != 0) & ~adjacent).any()):
+        return None
+    if bool(((steps != 0).sum(dim=1) > 2).any()):
+        return None
+    at = torch.where(steps != 0, probes[1:], end).sort(dim=1).values
+    table = torch.full((256, 3), end, dtype=torch.int32)
+    table[1:255, 0] = byte[:, 0]
+    table[1:255, 1:] = at[:, :2]
+    # Field 0 is never looked up (maxima are raised to 2**-126 first); field
+    # 255 is the pre-rounded maximum that reached infinity.
+    ends = torch.tensor([2.0**-126, math.inf])
+    table[[0, 255], 0] = shared_exponents(ends, mode).to(torch.int32) + 127
+    return table
 
 
 def encode_mx4(flat: torch.Tensor, group_size: int, rounding: str) -> torch.Tensor:
@@ -483,7 +539,22 @@ class MX4Codec(BlockCodec):
         Raises:
             TypeError: if ``input_tensor`` is not a floating-point tensor.
         """
-        flat = pad_to_blocks(flatten_input(input_tensor, "mx4"), self.block)
+        flat = flatten_input(input_tensor, "mx4")
+        k = kernels() if flat.device.type == "cpu" and self._rounding != "stochastic" else None
+        table = _exponent_table(self._rounding) if k is not None else None
+        if k is not None and table is not None:
+            out = _empty((self.calc_quantized_size(flat.numel()),), torch.uint8, flat.device)
+            pre_round = self._rounding == "even"
+            k.mx4_encode(
+                flat.data_ptr(),
+                flat.numel(),
+                out.data_ptr(),
+                self.block,
+                pre_round,
+                table.data_ptr(),
+            )
+            return out
+        flat = pad_to_blocks(flat, self.block)
         return encode_mx4(flat.contiguous(), self.block, self._rounding)
 
     def decode(self, input_grad: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
@@ -504,7 +575,24 @@ class MX4Codec(BlockCodec):
                 a multiple of ``group_size // 2 + 1``.
         """
         wire = check_wire(input_grad, torch.uint8, self.block_bytes, "mx4")
+        k = kernels() if wire.device.type == "cpu" else None
+        if k is not None:
+            groups = wire.numel() // self.block_bytes
+            n = groups * self.block
+            out = _empty((n,), torch.float32, wire.device)
+            if n:
+                k.mx4_decode(wire.data_ptr(), groups, out.data_ptr(), self.block, n, n)
+            return out
         return decode_mx4(wire, self.block)
+
+    def _decode_lines(
+        self, wire: torch.Tensor, blocks: int, out: torch.Tensor, width: int, stride: int
+    ) -> bool:
+        k = kernels()
+        if k is None:
+            return False
+        k.mx4_decode(wire.data_ptr(), blocks, out.data_ptr(), self.block, width, stride)
+        return True
 
     def __repr__(self) -> str:
         return f"MX4Codec(group_size={self.block}, rounding={self._rounding!r})"
