@@ -10,6 +10,7 @@ launcher's ranks, and NCCL when CUDA is there::
     qcomm bench
     qcomm bench --quick --json out.json --plot out.png
     qcomm bench --codecs 'int8:row_dim=64,fp16' --sizes 64K,1M --ops pooled
+    qcomm bench --link 1gbit --sizes 64M --codecs fp16,int8,mx4 --backward
     torchrun --nproc-per-node 8 -m qcomm.cli bench
 
 The machinery lives in :mod:`qcomm.benchmark`.
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qcomm.benchmark.launch import EXIT_CODEC_FAILED, launcher_env, run_distributed, spawn_local
+from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.options import (
     QUICK_SIZES,
     BenchConfig,
@@ -38,7 +40,12 @@ from qcomm.types import CodecError
 
 __all__ = ["add_bench_arguments", "config_from_args", "run_bench"]
 
-_QUICK: dict[str, Any] = {"budget": 0.02, "codec_bytes": 1 << 20, "max_calls": 20}
+_QUICK: dict[str, Any] = {"budget": 0.02, "codec_bytes": 1 << 20, "max_calls": 20, "rounds": 3}
+
+
+def _link_rate(text: str) -> str:
+    parse_rate(text)  # raises on a malformed rate, naming --link
+    return text.strip()
 
 
 def _as_argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -167,6 +174,33 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "Default: 120",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs. Default: 0")
+    parser.add_argument(
+        "--link",
+        type=_as_argument(_link_rate),
+        metavar="RATE",
+        help="run the local ranks over an emulated link of this rate in each direction "
+        "(e.g. 1gbit, 10gbit, 100mbit): a network namespace per rank, veth devices "
+        "shaped with tc; needs root. The report gives the link's measured throughput and "
+        "each collective's time against the link's bound",
+    )
+    parser.add_argument(
+        "--backward",
+        action="store_true",
+        help="also time every collective's forward and backward pass together",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_as_argument(_positive(int, "--rounds")),
+        metavar="N",
+        help="timed rounds per collective and size; the series take turns within each "
+        "round, and the median round is reported with the spread. Default: 5 (--quick: 3)",
+    )
+    parser.add_argument(
+        "--chunk-size",
+        type=_as_argument(parse_size),
+        metavar="SIZE",
+        help="qcomm's pipeline chunk (float32 bytes per message), e.g. 1M. Default: automatic",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -201,7 +235,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     config.budget = args.budget or quick.get("budget", config.budget)
     config.codec_bytes = args.codec_size or quick.get("codec_bytes", config.codec_bytes)
     config.max_calls = quick.get("max_calls", config.max_calls)
+    config.rounds = args.rounds or quick.get("rounds", config.rounds)
+    config.backward = args.backward
+    config.chunk_bytes = args.chunk_size
+    config.link = args.link
     if launcher_env():
+        if args.link:
+            raise ValueError(
+                "--link: emulates a link between local ranks; under a launcher the ranks "
+                "already run on the real network, leave --link out"
+            )
         launched = int(os.environ["WORLD_SIZE"])
         if args.world_size is not None and args.world_size != launched:
             raise ValueError(

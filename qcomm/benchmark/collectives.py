@@ -21,7 +21,16 @@ import torch
 
 from qcomm.types import CommOp, QuantizedCommCodecs
 
-__all__ = ["Case", "Series", "make_case", "qcomm_collective", "run_series", "torchrec_all_to_all"]
+__all__ = [
+    "BARE",
+    "Case",
+    "Series",
+    "bare_series",
+    "make_case",
+    "qcomm_collective",
+    "run_series",
+    "torchrec_all_to_all",
+]
 
 # qcomm's function for each collective; see DESIGN.md for the signatures.
 _QCOMM_NAMES = {
@@ -43,6 +52,7 @@ class Case:
         expected (Tensor): the exact float32 output on this rank.
         rows_per_rank (int): rows of the input addressed to each rank.
         dim (int): columns of the input.
+        grad (Tensor): the output's gradient, for timing the backward pass.
     """
 
     op: CommOp
@@ -51,6 +61,7 @@ class Case:
     expected: torch.Tensor
     rows_per_rank: int
     dim: int
+    grad: torch.Tensor
 
 
 @dataclasses.dataclass
@@ -59,12 +70,15 @@ class Series:
     One implementation with one codec: a line of the bandwidth plot.
 
     Args:
-        impl (str): ``"qcomm"`` or ``"torchrec"``.
-        codec (str): the codec's label, ``"none"`` for TorchRec without codecs.
+        impl (str): ``"qcomm"``, ``"torchrec"`` or ``"bare"`` (the backend's
+            own calls on float32, see :data:`BARE`).
+        codec (str): the codec's label, ``"none"`` for TorchRec without
+            codecs, the call's name for ``"bare"``.
         codecs (QuantizedCommCodecs | None): the codec pair passed, ``None``
             for none.
         call (Callable | None): the collective function, ``None`` if it cannot run.
         error (str | None): why it cannot run.
+        chunk_bytes (int | None): qcomm's chunk size, ``None`` for automatic.
     """
 
     impl: str
@@ -72,15 +86,30 @@ class Series:
     codecs: QuantizedCommCodecs | None
     call: Callable[..., Any] | None
     error: str | None = None
+    chunk_bytes: int | None = None
 
     @property
     def label(self) -> str:
         r"""
         label() -> str
 
-        ``codec`` for qcomm, ``torchrec[codec]`` for TorchRec.
+        ``codec`` for qcomm, ``torchrec[codec]`` for TorchRec, ``bare:call``
+        for the backend's own calls.
         """
-        return self.codec if self.impl == "qcomm" else f"{self.impl}[{self.codec}]"
+        if self.impl == "qcomm":
+            return self.codec
+        if self.impl == "bare":
+            return f"bare:{self.codec}"
+        return f"{self.impl}[{self.codec}]"
+
+    @property
+    def differentiable(self) -> bool:
+        r"""
+        differentiable() -> bool
+
+        Whether the series has a backward pass to time (the bare calls have none).
+        """
+        return self.impl != "bare"
 
 
 def base_input(size_bytes: int, *, world_size: int, dim: int, seed: int) -> torch.Tensor:
@@ -151,6 +180,7 @@ def make_case(
             expected = expected + block
     else:
         expected = torch.cat(received, dim=0)
+    generator = torch.Generator().manual_seed(rows * 7919 + rank)
     return Case(
         op=op,
         size_bytes=base.numel() * base.element_size(),
@@ -158,6 +188,7 @@ def make_case(
         expected=expected.to(device),
         rows_per_rank=per,
         dim=dim,
+        grad=torch.randn(expected.shape, generator=generator).to(device),
     )
 
 
@@ -201,17 +232,76 @@ def torchrec_all_to_all() -> Callable[..., Any]:
     return importlib.import_module("torchrec.distributed.comm_ops").alltoall_pooled  # type: ignore[no-any-return]
 
 
-def run_series(series: Series, case: Case, group: Any) -> torch.Tensor:
+#: the backend's own calls measured beside qcomm, on the same float32 data:
+#: ``p2p`` sends every peer its block and receives its block from every peer,
+#: all at once, receives posted first (what the link allows); ``native`` is
+#: the backend's collective of the same kind (``all_to_all_single``, or
+#: ``reduce_scatter_tensor`` for the reduce-scatter), into a kept output.
+BARE = ("p2p", "native")
+
+
+def _bare_p2p(case: Case, group: Any, out: torch.Tensor) -> torch.Tensor:
+    dist = torch.distributed
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    send = case.input.view(world, -1)
+    recv = out.view(world, -1)
+    peers = [(rank + i) % world for i in range(1, world)]
+    recvs = [dist.irecv(recv[p], group=group, group_src=p) for p in peers]
+    sends = [dist.isend(send[p], group=group, group_dst=p) for p in peers]
+    for work in recvs + sends:
+        if work is not None:
+            work.wait()
+    return out
+
+
+def bare_series(op: CommOp, name: str) -> Series:
     r"""
-    run_series(series: Series, case: Case, group: Any) -> Tensor
+    bare_series(op: CommOp, name: str) -> Series
+
+    A series of the backend's own calls (see :data:`BARE`) for ``op``.
+
+    Args:
+        op (CommOp): the collective it stands beside.
+        name (str): one of :data:`BARE`.
+
+    Returns:
+        Series: whose ``call(case, group)`` returns an output it keeps from
+        call to call (not the collective's layout: it is timed, not checked).
+    """
+    kept: dict[int, torch.Tensor] = {}
+
+    def call(case: Case, group: Any) -> torch.Tensor:
+        out = kept.get(case.size_bytes)
+        if out is None:
+            kept.clear()
+            out = kept[case.size_bytes] = torch.empty_like(case.input)
+        if name == "p2p":
+            return _bare_p2p(case, group, out)
+        if op is CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER:
+            world = torch.distributed.get_world_size(group)
+            mine = out[: case.input.shape[0] // world]
+            torch.distributed.reduce_scatter_tensor(mine, case.input, group=group)
+            return mine
+        torch.distributed.all_to_all_single(out, case.input, group=group)
+        return out
+
+    return Series("bare", name, None, call)
+
+
+def run_series(series: Series, case: Case, group: Any, backward: bool = False) -> torch.Tensor:
+    r"""
+    run_series(series: Series, case: Case, group: Any, backward: bool = False) -> Tensor
 
     Runs the collective of ``case`` once with the implementation and codec of
-    ``series`` and waits for its output.
+    ``series`` and waits for its output (and, with ``backward``, for the
+    input's gradient).
 
     Args:
         series (Series): what runs.
         case (Case): the input.
         group (Any): the process group.
+        backward (bool, optional): also run the backward pass with
+            ``case.grad``. Default: ``False``.
 
     Returns:
         Tensor: the output on this rank.
@@ -221,20 +311,28 @@ def run_series(series: Series, case: Case, group: Any) -> torch.Tensor:
     """
     if series.call is None:
         raise RuntimeError(series.error or f"{series.label} cannot run")
+    if series.impl == "bare":
+        return series.call(case, group)  # type: ignore[no-any-return]
     world_size = case.input.shape[0] // case.rows_per_rank
     splits = [case.rows_per_rank] * world_size
+    x = case.input.detach().requires_grad_(backward)
+    extra = {} if series.chunk_bytes is None else {"chunk_bytes": series.chunk_bytes}
     if case.op is CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL:
-        out = series.call(
-            case.input, splits, [case.dim] * world_size, group=group, codecs=series.codecs
+        pending = series.call(
+            x, splits, [case.dim] * world_size, group=group, codecs=series.codecs, **extra
         )
     elif case.op is CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER:
-        out = series.call(case.input, input_splits=splits, group=group, codecs=series.codecs)
+        pending = series.call(x, input_splits=splits, group=group, codecs=series.codecs, **extra)
     else:
-        out = series.call(
-            case.input,
+        pending = series.call(
+            x,
             input_splits=splits,
             output_splits=splits,
             group=group,
             codecs=series.codecs,
+            **extra,
         )
-    return out.wait()  # type: ignore[no-any-return]
+    out = pending.wait()
+    if backward:
+        out.backward(case.grad)
+    return out  # type: ignore[no-any-return]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qcomm.benchmark.link import Link, LinkError, parse_rate
 from qcomm.benchmark.options import BenchConfig
 
 __all__ = [
@@ -221,7 +222,9 @@ def spawn_local(config: BenchConfig, poll_s: float = 0.2) -> int:
     spawn_local(config: BenchConfig, poll_s: float = 0.2) -> int
 
     Runs ``qcomm bench`` on ``config.world_size`` local gloo ranks and waits
-    for them, ending the run if a rank crashes or gets stuck.
+    for them, ending the run if a rank crashes or gets stuck. With
+    ``config.link`` the ranks run in network namespaces joined by an emulated
+    link of that rate (:mod:`qcomm.benchmark.link`), removed when the run ends.
 
     Each rank gets ``cpu_count / world_size`` threads (unless
     ``OMP_NUM_THREADS`` is set), so that the ranks do not fight over cores.
@@ -235,8 +238,23 @@ def spawn_local(config: BenchConfig, poll_s: float = 0.2) -> int:
 
     Returns:
         int: ``0`` when every codec ran, ``1`` when the run completed but a
-        qcomm codec failed, ``2`` when the run did not complete.
+        qcomm codec failed, ``2`` when the run did not complete or the link
+        could not be built.
     """
+    if config.link is None:
+        return _spawn(config, poll_s, None)
+    try:
+        with Link(config.world_size, parse_rate(config.link)) as link:
+            return _spawn(config, poll_s, link)
+    except LinkError as err:
+        print(f"qcomm bench: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("qcomm bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _spawn(config: BenchConfig, poll_s: float, link: Link | None) -> int:
     world_size = config.world_size
     stuck_after = 2 * config.timeout + 60
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world_size))
@@ -245,12 +263,15 @@ def spawn_local(config: BenchConfig, poll_s: float = 0.2) -> int:
         base_env = {
             **os.environ,
             _CONFIG_ENV: config.to_json(),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
+            "MASTER_ADDR": "127.0.0.1" if link is None else link.address(0),
+            # A fresh namespace has every port free.
+            "MASTER_PORT": str(_free_port()) if link is None else "29500",
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
             "OMP_NUM_THREADS": threads,
         }
+        if link is not None:
+            base_env["GLOO_SOCKET_IFNAME"] = link.interface
         procs: list[subprocess.Popen[bytes]] = []
         logs = [workdir / f"rank{r}.log" for r in range(world_size)]
         beats = [workdir / f"rank{r}.step" for r in range(world_size)]
@@ -262,10 +283,11 @@ def spawn_local(config: BenchConfig, poll_s: float = 0.2) -> int:
                     "LOCAL_RANK": str(rank),
                     _HEARTBEAT_ENV: str(beats[rank]),
                 }
+                argv = [sys.executable, "-m", "qcomm.benchmark.launch"]
                 with open(logs[rank], "wb") as log:
                     procs.append(
                         subprocess.Popen(
-                            [sys.executable, "-m", "qcomm.benchmark.launch"],
+                            argv if link is None else link.command(rank, argv),
                             env=env,
                             stdout=None if rank == 0 else log,
                             stderr=None if rank == 0 else log,

@@ -121,7 +121,9 @@ def break_even_bandwidth(
 
     with :math:`B^{*}` in bytes per second when :math:`c` is in seconds per
     byte. The model counts the codec's compute as not overlapped with
-    communication, which is how the collectives run it.
+    communication: it is the break-even of a collective that encodes, sends
+    and decodes one after the other. qcomm's collectives overlap the three
+    (see :doc:`/collectives`), so they break even at faster links.
 
     Args:
         wire_bytes (float): :math:`w`, bytes on the wire for the tensor.

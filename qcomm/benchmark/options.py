@@ -248,6 +248,13 @@ class BenchConfig:
         max_calls (int): timed calls per measurement at most.
         seed (int): seed of the random inputs.
         dim (int): embedding columns per rank in the collectives' inputs.
+        link (str | None): the rate of the emulated link the local ranks run
+            on (``--link``), or ``None`` for none.
+        backward (bool): also time the forward and backward pass together.
+        chunk_bytes (int | None): qcomm's chunk size, ``None`` for automatic.
+        rounds (int): timed rounds of every series at every size; the series
+            take turns within a round, so that a slow spell of the machine
+            falls on all of them.
     """
 
     codecs: list[str] | None = None
@@ -264,6 +271,10 @@ class BenchConfig:
     max_calls: int = 200
     seed: int = 0
     dim: int = 128
+    link: str | None = None
+    backward: bool = False
+    chunk_bytes: int | None = None
+    rounds: int = 5
 
     def to_json(self) -> str:
         r"""

@@ -33,6 +33,16 @@ UNITS = {
     "rms_rel_error": "sqrt(sum (decoded - x)^2 / sum x^2)",
     "sqnr_db": "10 log10(sum x^2 / sum (decoded - x)^2); null when exact (infinite)",
     "break_even_gbps": "(1 - wire/logical) / ((encode_s + decode_s) / logical bytes), 1e9 bytes/s",
+    "pass": "'fwd': the collective; 'fwd+bwd': the collective and its backward pass together",
+    "latency_min_s, latency_max_s": "fastest and slowest of the timed rounds (samples_s)",
+    "samples_s": "seconds per call of each round (the slowest rank's), in the order run",
+    "link_bound_s": "float32 bytes crossing a rank's port, size_bytes * (n - 1) / n (twice for "
+    "fwd+bwd), over the emulated link's rate, divided by the codec's compression ratio",
+    "x_link_bound": "latency_s / link_bound_s (1.0: the wire's limit)",
+    "vs_torchrec": "latency of TorchRec's alltoall_pooled with fbgemm's codec of the same "
+    "format / latency_s",
+    "link.*_gbps": "float32 bytes per second the emulated link carried between ranks 0 and 1, "
+    "one way, and each way when both send at once, 1e9 bytes/s",
 }
 
 
@@ -123,11 +133,13 @@ def _codec_table(results: dict[str, Any]) -> str:
     return _table(header, rows)
 
 
-def _collective_tables(results: dict[str, Any]) -> list[str]:
+def _collective_tables(results: dict[str, Any], passes: str) -> list[str]:
     tables = []
     sizes = sorted({p["size_bytes"] for p in results["collectives"]})
     for op in dict.fromkeys(p["op"] for p in results["collectives"]):
-        points = [p for p in results["collectives"] if p["op"] == op]
+        points = [p for p in results["collectives"] if p["op"] == op and p["pass"] == passes]
+        if not points:
+            continue
         labels = list(dict.fromkeys(p["label"] for p in points))
         cells = {(p["label"], p["size_bytes"]): p for p in points}
         rows = []
@@ -143,10 +155,72 @@ def _collective_tables(results: dict[str, Any]) -> list[str]:
                     speedup = "-" if p["speedup"] is None else f"{p['speedup']:.2f}"
                     row.append(f"{_num(p['busbw_gbps'])} x{speedup}")
             rows.append(row)
-        title = OP_TITLES.get(op, op)
+        title = OP_TITLES.get(op, op) + ("" if passes == "fwd" else ", forward+backward")
         header = [title, *[format_size(s) for s in sizes]]
         tables.append(_table(header, rows))
     return tables
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.4g}"
+
+
+def _times(values: list[float | None], digits: int = 3) -> str:
+    return "-" if values[0] is None else f"{values[0]:.{digits}g}"
+
+
+def _detail_tables(results: dict[str, Any]) -> list[str]:
+    # The largest size of each collective, every figure of a row: time with
+    # its spread, speed-up and what the compression ratio promises, against
+    # the link's bound and against TorchRec.
+    points = results["collectives"]
+    if not points:
+        return []
+    size = max(p["size_bytes"] for p in points)
+    linked = any(p.get("link_bound_s") for p in points)
+    header = ["series", "pass", "ms", "min-max ms", "speed-up", "ratio"]
+    header += ["bound ms", "x bound"] if linked else []
+    header += ["vs TorchRec"]
+    tables = []
+    for op in dict.fromkeys(p["op"] for p in points):
+        rows = []
+        for p in points:
+            if p["op"] != op or p["size_bytes"] != size:
+                continue
+            if p["status"] != "ok":
+                rows.append([p["label"], p["pass"], "failed", *[""] * (len(header) - 3)])
+                continue
+            row = [
+                p["label"],
+                p["pass"],
+                _ms(p["latency_s"]),
+                f"{_ms(p['latency_min_s'])}-{_ms(p['latency_max_s'])}",
+                "-" if p["speedup"] is None else f"x{p['speedup']:.2f}",
+                _num(p.get("compression_ratio")),
+            ]
+            if linked:
+                row += [_ms(p.get("link_bound_s")), _times([p.get("x_link_bound")])]
+            row.append("-" if p.get("vs_torchrec") is None else f"x{p['vs_torchrec']:.2f}")
+            rows.append(row)
+        title = f"{OP_TITLES.get(op, op)}, {format_size(size)} per rank"
+        tables.append(title + ":\n" + _table(header, rows, right=2))
+    return tables
+
+
+def _link_line(link: dict[str, Any] | None) -> list[str]:
+    if not link:
+        return []
+    rate = link["rate_bps"]
+    measured = (
+        f"measured {_num(link.get('one_way_gbps'))} GB/s one way, "
+        f"{_num(link.get('both_ways_gbps'))} GB/s each way with both sending"
+        if link.get("one_way_gbps")
+        else f"not measured ({_first_line(link.get('error'))})"
+    )
+    return [
+        f"Emulated link: {link['spec']} each way ({rate / 8 / 1e9:.3g} GB/s), {measured} "
+        f"({format_size(link['bytes'])} of float32 per transfer).",
+    ]
 
 
 def format_report(results: dict[str, Any]) -> str:
@@ -168,21 +242,33 @@ def format_report(results: dict[str, Any]) -> str:
     lines = [
         f"qcomm bench: {meta['world_size']} ranks, {meta['backend']} on {meta['device']}, "
         f"{meta['threads_per_rank']} thread(s) per rank, {meta['duration_s']:.0f} s",
+        *_link_line(results.get("link")),
         "",
         f"Codecs on {format_size(roof['bytes'])} of float32 per rank "
         f"(memory copy: {_num(roof['copy_gbps'])} GB/s; 'x copy' = fraction of it; "
         f"errors relative to max|x|):",
         _codec_table(results),
     ]
-    for table in _collective_tables(results):
+    for table in _collective_tables(results, "fwd") + _collective_tables(results, "fwd+bwd"):
         lines += ["", table]
+    for table in _detail_tables(results):
+        lines += ["", table]
+    load = (meta.get("load_before"), meta.get("load_after"))
     lines += [
         "",
         "Collectives: bus bandwidth in GB/s of float32 (nccl-tests' busbw) and speed-up "
-        "over the no-op codec (TorchRec: over TorchRec without codec); "
-        "latency, algbw and error in --json.",
+        "over the no-op codec (TorchRec: over TorchRec without codec; bare: over p2p); "
+        "times are the median round, with the fastest and slowest; "
+        "'ratio' is the codec's compression ratio, the speed-up the wire alone would give; "
+        "'x bound' is the time over the link's bound for that many wire bytes; "
+        "'vs TorchRec' is TorchRec's time with fbgemm's codec of the format over qcomm's.",
         "noop's encode and decode return their input: their throughput is the cost of a call.",
     ]
+    if load[0] and load[1]:
+        lines.append(
+            f"Machine load (1-minute average) {load[0][0]:.2f} before, {load[1][0]:.2f} after, "
+            f"on {meta.get('cpu_count')} cores."
+        )
     failures = [(r["codec"], r["error"]) for r in results["codecs"] if r["status"] != "ok"]
     # One line per collective and reason, listing the sizes it failed at.
     failed_sizes: dict[tuple[str, str], list[str]] = {}
@@ -251,7 +337,7 @@ def write_plot(results: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator
 
-    points = [p for p in results["collectives"] if p["status"] == "ok"]
+    points = [p for p in results["collectives"] if p["status"] == "ok" and p["pass"] == "fwd"]
     ops = list(dict.fromkeys(p["op"] for p in results["collectives"]))
     labels = list(dict.fromkeys(p["label"] for p in results["collectives"]))
     families = list(
@@ -280,11 +366,12 @@ def write_plot(results: dict[str, Any], path: str) -> None:
             if not line:
                 continue
             torchrec = label.startswith("torchrec")
+            bare = label.startswith("bare:")
             (handle,) = ax.plot(
                 [s for s, _ in line],
                 [b for _, b in line],
-                marker="x" if torchrec else "o",
-                linestyle="--" if torchrec else "-",
+                marker="x" if torchrec else "." if bare else "o",
+                linestyle="--" if torchrec else ":" if bare else "-",
                 color=color[_family(label)],
                 label=label,
                 linewidth=1.6,

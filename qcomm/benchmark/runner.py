@@ -16,7 +16,7 @@ codec comes first, as the baseline of the speed-ups.
 from __future__ import annotations
 
 import dataclasses
-import math
+import os
 import platform
 import statistics
 import sys
@@ -27,10 +27,12 @@ from typing import Any
 import torch
 
 import qcomm
-from qcomm.benchmark.codecs import Candidate, load_candidates, measure_codec
+from qcomm.benchmark.codecs import FBGEMM_FORMATS, Candidate, load_candidates, measure_codec
 from qcomm.benchmark.collectives import (
+    BARE,
     Case,
     Series,
+    bare_series,
     base_input,
     make_case,
     qcomm_collective,
@@ -38,6 +40,7 @@ from qcomm.benchmark.collectives import (
     torchrec_all_to_all,
 )
 from qcomm.benchmark.launch import EXIT_CODEC_FAILED, Session
+from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.metrics import (
     GB,
     algorithm_bandwidth,
@@ -52,10 +55,6 @@ from qcomm.types import CommOp, QuantizedCommCodecs, codec_info
 __all__ = ["run_rank"]
 
 _Outcome = tuple[list[Any] | None, str | None]
-
-# Timed calls of a collective are split in this many blocks; the median block
-# is reported, so that one block another process interrupted does not count.
-_BLOCKS = 5
 
 
 class _Progress:
@@ -188,22 +187,27 @@ def _build_series(
     series: dict[CommOp, list[Series]] = {}
     for op in config.comm_ops:
         fn, problem = _agreed_here(session, lambda op=op: qcomm_collective(op))  # type: ignore[misc]
-        lines = [_series("qcomm", c, fn, problem) for c in qcomm_codecs]
+        lines = [_series("qcomm", c, fn, problem, config.chunk_bytes) for c in qcomm_codecs]
         if op is CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL and config.fbgemm:
             if torchrec_fn is not None:
                 lines.append(Series("torchrec", "none", None, torchrec_fn))
-                lines += [_series("torchrec", c, torchrec_fn, None) for c in fbgemm_codecs]
+                lines += [_series("torchrec", c, torchrec_fn, None, None) for c in fbgemm_codecs]
+        lines += [bare_series(op, name) for name in BARE]
         series[op] = lines
     return series, torchrec_reason
 
 
 def _series(
-    impl: str, candidate: Candidate, fn: Callable[..., Any] | None, problem: str | None
+    impl: str,
+    candidate: Candidate,
+    fn: Callable[..., Any] | None,
+    problem: str | None,
+    chunk_bytes: int | None,
 ) -> Series:
     if candidate.codec is None:
         return Series(impl, candidate.label, None, None, f"codec failed to load: {candidate.error}")
     pair = QuantizedCommCodecs(forward=candidate.codec, backward=candidate.codec)
-    return Series(impl, candidate.label, pair, fn, problem)
+    return Series(impl, candidate.label, pair, fn, problem, chunk_bytes)
 
 
 def _check_shape(out: torch.Tensor, case: Case) -> torch.Tensor:
@@ -214,75 +218,89 @@ def _check_shape(out: torch.Tensor, case: Case) -> torch.Tensor:
     return out
 
 
-def _collective_point(
-    session: Session, config: BenchConfig, series: Series, case: Case
-) -> dict[str, Any]:
-    row: dict[str, Any] = {
-        "op": case.op.value,
-        "impl": series.impl,
-        "codec": series.codec,
-        "label": series.label,
-        "size_bytes": case.size_bytes,
-    }
-    device = session.device
-    # Each series gets its own copy: a codec that wrote into its input would
-    # otherwise corrupt the input of the series after it.
-    case = dataclasses.replace(case, input=case.input.clone())
+@dataclasses.dataclass
+class _Entry:
+    # One series in one pass ("fwd" or "fwd+bwd") at one size: a row of the report.
+    series: Series
+    passes: str
+    case: Case
+    row: dict[str, Any]
+    calls: int = 1
+    samples: list[float] = dataclasses.field(default_factory=list)
 
-    def warm_up() -> tuple[float, float]:
+    @property
+    def backward(self) -> bool:
+        return self.passes == "fwd+bwd"
+
+
+def _warm_up(session: Session, entry: _Entry, budget: float, max_calls: int) -> None:
+    series, case = entry.series, entry.case
+    device = session.device
+
+    def once() -> tuple[float, float | None]:
         start = time.perf_counter()
-        out = run_series(series, case, session.work)
+        out = run_series(series, case, session.work, entry.backward)
         synchronize(device)
         seconds = time.perf_counter() - start
+        if series.impl == "bare":
+            return seconds, None
         return seconds, error_stats(case.expected, _check_shape(out, case)).max_rel
 
-    warm, problem = _agreed(session, warm_up)
+    warm, problem = _agreed(session, once)
     if warm is None:
         if series.call is not None:
             session.renew_work()
-        return {**row, "status": "failed", "error": problem}
-    calls = calls_for_budget(max(w[0] for w in warm), config.budget, 3, config.max_calls)
-    blocks = min(_BLOCKS, calls)
-    per_block = math.ceil(calls / blocks)
+        entry.row.update(status="failed", error=problem)
+        return
+    entry.calls = calls_for_budget(max(w[0] for w in warm), budget, 1, max_calls)
+    errors = [w[1] for w in warm if w[1] is not None]
+    entry.row["max_rel_error"] = max(errors) if errors else None
 
-    def timed() -> list[float]:
-        # Blocks of back-to-back calls, as nccl-tests times them; one barrier
-        # before each so that every rank starts together.
-        times = []
-        for _ in range(blocks):
-            torch.distributed.barrier(group=session.work)
-            start = time.perf_counter()
-            for _ in range(per_block):
-                run_series(series, case, session.work)
-            synchronize(device)
-            times.append((time.perf_counter() - start) / per_block)
-        return times
+
+def _time_block(session: Session, entry: _Entry) -> None:
+    # A block of back-to-back calls, as nccl-tests times them, after a
+    # barrier so that every rank starts together; a call ends when its
+    # slowest rank is done.
+    def timed() -> float:
+        torch.distributed.barrier(group=session.work)
+        start = time.perf_counter()
+        for _ in range(entry.calls):
+            run_series(entry.series, entry.case, session.work, entry.backward)
+        synchronize(session.device)
+        return (time.perf_counter() - start) / entry.calls
 
     times, problem = _agreed(session, timed)
     if times is None:
         session.renew_work()
-        return {**row, "status": "failed", "error": problem}
-    # A call ends when its slowest rank is done.
-    latency = statistics.median(max(rank[b] for rank in times) for b in range(blocks))
-    algbw = algorithm_bandwidth(case.size_bytes, latency)
-    return {
-        **row,
-        "status": "ok",
-        "error": None,
-        "calls": blocks * per_block,
-        "latency_s": latency,
-        "algbw_gbps": algbw / GB,
-        "busbw_gbps": bus_bandwidth(algbw, session.world_size) / GB,
-        "max_rel_error": max(w[1] for w in warm),
-    }
+        entry.row.update(status="failed", error=problem)
+        return
+    entry.samples.append(max(times))
+
+
+def _finish_row(entry: _Entry, world_size: int) -> dict[str, Any]:
+    row = entry.row
+    if row["status"] != "ok" or not entry.samples:
+        return row
+    latency = statistics.median(entry.samples)
+    algbw = algorithm_bandwidth(entry.case.size_bytes, latency)
+    row.update(
+        calls=entry.calls * len(entry.samples),
+        latency_s=latency,
+        latency_min_s=min(entry.samples),
+        latency_max_s=max(entry.samples),
+        samples_s=list(entry.samples),
+        algbw_gbps=algbw / GB,
+        busbw_gbps=bus_bandwidth(algbw, world_size) / GB,
+    )
+    return row
 
 
 def _add_speedups(rows: list[dict[str, Any]]) -> None:
-    # The baseline of each implementation is its first series: qcomm's no-op
-    # codec, TorchRec without codecs.
-    baseline: dict[str, dict[str, Any]] = {}
+    # The baseline of each implementation and pass is its first series:
+    # qcomm's no-op codec, TorchRec without codecs, the bare p2p exchange.
+    baseline: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
-        base = baseline.setdefault(row["impl"], row)
+        base = baseline.setdefault((row["impl"], row["pass"]), row)
         row["baseline"] = base["label"]
         ok = row["status"] == "ok" and base["status"] == "ok"
         row["speedup"] = base["latency_s"] / row["latency_s"] if ok else None
@@ -331,6 +349,7 @@ def _measure_codecs(
 def _measure_collectives(
     config: BenchConfig, session: Session, series: dict[CommOp, list[Series]], progress: _Progress
 ) -> list[dict[str, Any]]:
+    passes = ["fwd", "fwd+bwd"] if config.backward else ["fwd"]
     points = []
     for size in config.sizes:
         base = base_input(size, world_size=session.world_size, dim=config.dim, seed=config.seed)
@@ -338,15 +357,142 @@ def _measure_collectives(
             case = make_case(
                 op, base, rank=session.rank, world_size=session.world_size, device=session.device
             )
-            rows = []
-            for line in series[op]:
-                title = OP_TITLES[op.value]
-                _step(session, progress, f"{title} {format_size(case.size_bytes)} {line.label}")
-                rows.append(_collective_point(session, config, line, case))
+            title = f"{OP_TITLES[op.value]} {format_size(case.size_bytes)}"
+            entries = [
+                _Entry(
+                    line,
+                    p,
+                    # Each series gets its own copy: a codec that wrote into
+                    # its input would otherwise corrupt the next one's.
+                    dataclasses.replace(case, input=case.input.clone()),
+                    {
+                        "op": op.value,
+                        "impl": line.impl,
+                        "codec": line.codec,
+                        "label": line.label,
+                        "pass": p,
+                        "size_bytes": case.size_bytes,
+                        "status": "ok",
+                        "error": None,
+                    },
+                )
+                for p in passes
+                for line in series[op]
+                if p == "fwd" or line.differentiable
+            ]
+            per_block = config.budget / config.rounds
+            for entry in entries:
+                _step(session, progress, f"{title} {entry.row['label']} {entry.passes} warm-up")
+                _warm_up(session, entry, per_block, config.max_calls)
                 progress.done()
+            # Rounds: every series takes its turn in each, so that a slow
+            # spell of a shared machine falls on all of them alike.
+            for r in range(config.rounds):
+                _step(session, progress, f"{title} round {r + 1}/{config.rounds}")
+                for entry in entries:
+                    if entry.row["status"] == "ok":
+                        _time_block(session, entry)
+                progress.done()
+            rows = [_finish_row(entry, session.world_size) for entry in entries]
             _add_speedups(rows)
             points += rows
     return points
+
+
+def _torchrec_label(label: str) -> str | None:
+    # The TorchRec row of the same format as qcomm's codec `label`.
+    if label == "noop":
+        return "torchrec[none]"
+    name = label.partition(":")[0]
+    fmt = FBGEMM_FORMATS.get(name)
+    return None if fmt is None or label != name else f"torchrec[fbgemm:{fmt.lower()}]"
+
+
+def _add_comparisons(
+    points: list[dict[str, Any]],
+    codec_rows: list[dict[str, Any]],
+    link: dict[str, Any] | None,
+    world_size: int,
+) -> None:
+    # What each point is worth against the link's bound (the float32 bytes
+    # that cross each rank's port, shrunk by the codec's ratio) and against
+    # TorchRec's all-to-all with fbgemm's codec of the same format.
+    ratios = {r["codec"]: r.get("compression_ratio") for r in codec_rows if r["status"] == "ok"}
+    ratios.update({"none": 1.0, "noop": 1.0})
+    rate = link["rate_bps"] if link else None
+    latency = {
+        (p["op"], p["size_bytes"], p["pass"], p["label"]): p.get("latency_s")
+        for p in points
+        if p["status"] == "ok"
+    }
+    for p in points:
+        ratio = 1.0 if p["impl"] == "bare" else ratios.get(p["codec"])
+        p["compression_ratio"] = ratio
+        p["link_bound_s"] = None
+        p["x_link_bound"] = None
+        if rate and ratio and world_size > 1:
+            # The backward pass sends as much again, the other way round.
+            transfers = 2 if p["pass"] == "fwd+bwd" else 1
+            crossing = transfers * p["size_bytes"] * (world_size - 1) / world_size
+            p["link_bound_s"] = crossing * 8 / rate / ratio
+            if p["status"] == "ok":
+                p["x_link_bound"] = p["latency_s"] / p["link_bound_s"]
+        p["vs_torchrec"] = None
+        other = _torchrec_label(p["label"]) if p["impl"] == "qcomm" else None
+        theirs = latency.get((p["op"], p["size_bytes"], p["pass"], other)) if other else None
+        if theirs and p["status"] == "ok":
+            p["vs_torchrec"] = theirs / p["latency_s"]
+
+
+def _measure_link(config: BenchConfig, session: Session) -> dict[str, Any]:
+    # What the link carries between ranks 0 and 1, one way and both ways at
+    # once, with the backend's plain point-to-point calls on float32.
+    rate = parse_rate(config.link) if config.link else None
+    seconds = 0.25
+    size = 64 << 20 if rate is None else int(min(64 << 20, max(1 << 20, rate / 8 * seconds)))
+    x = torch.empty(size // 4, device=session.device).normal_()
+    y = torch.empty_like(x)
+    group = session.work
+    rank = session.rank
+    dist = torch.distributed
+
+    def transfer(both: bool) -> None:
+        works = []
+        if rank in (0, 1):
+            peer = 1 - rank
+            if both or rank == 1:
+                works.append(dist.irecv(y, group=group, group_src=peer))
+            if both or rank == 0:
+                works.append(dist.isend(x, group=group, group_dst=peer))
+        for work in works:
+            if work is not None:
+                work.wait()
+
+    def measure(both: bool) -> list[float]:
+        transfer(both)
+        out = []
+        for _ in range(5):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            transfer(both)
+            dist.barrier(group=group)
+            out.append(time.perf_counter() - start)
+        return out
+
+    one, problem = _agreed(session, lambda: measure(False))
+    two, problem2 = _agreed(session, lambda: measure(True))
+    result: dict[str, Any] = {
+        "spec": config.link,
+        "rate_bps": rate,
+        "bytes": size,
+        "error": problem or problem2,
+    }
+    for name, samples in (("one_way", one), ("both_ways", two)):
+        if samples:
+            worst = [max(rank_s[i] for rank_s in samples) for i in range(len(samples[0]))]
+            result[f"{name}_s"] = statistics.median(worst)
+            result[f"{name}_gbps"] = size / statistics.median(worst) / GB
+    return result
 
 
 def _step(session: Session, progress: _Progress, label: str) -> None:
@@ -374,18 +520,31 @@ def run_rank(config: BenchConfig, session: Session) -> int:
     candidates, fbgemm_reason = load_candidates(config.codecs, config.fbgemm)
     _agree_on_loads(session, candidates)
     series, torchrec_reason = _build_series(config, session, candidates)
-    total = 1 + len(candidates) + len(config.sizes) * sum(len(s) for s in series.values())
+    passes = 2 if config.backward else 1
+    entries = sum(passes * len(s) for s in series.values())
+    rounds = len(config.sizes) * len(series) * config.rounds
+    total = 1 + len(candidates) + len(config.sizes) * entries + rounds + (1 if config.link else 0)
     progress = _Progress(session.rank == 0, total)
+    load_before = _load()
     try:
+        link = None
+        if config.link:
+            _step(session, progress, "link throughput")
+            link = _measure_link(config, session)
+            progress.done()
         roofline, codec_rows = _measure_codecs(config, session, candidates, progress)
         points = _measure_collectives(config, session, series, progress)
         session.gather(None)  # everyone is done
     finally:
         progress.close()
+    _add_comparisons(points, codec_rows, link, session.world_size)
     if session.rank != 0:
         return 0
+    meta = _meta(config, session, started, time.perf_counter() - clock)
+    meta.update(load_before=load_before, load_after=_load())
     results = {
-        "meta": _meta(config, session, started, time.perf_counter() - clock),
+        "meta": meta,
+        "link": link,
         "roofline": roofline,
         "codecs": codec_rows,
         "collectives": points,
@@ -398,6 +557,14 @@ def run_rank(config: BenchConfig, session: Session) -> int:
         p["status"] != "ok" and p["impl"] == "qcomm" for p in points
     )
     return EXIT_CODEC_FAILED if failed else 0
+
+
+def _load() -> list[float] | None:
+    # The 1, 5 and 15 minute load averages: how busy the machine was.
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
 
 
 def _version(module: str) -> str | None:
@@ -429,5 +596,10 @@ def _meta(config: BenchConfig, session: Session, started: float, duration: float
         "dim": config.dim,
         "codec_elements": max(1, config.codec_bytes // 4),
         "budget_s": config.budget,
+        "rounds": config.rounds,
         "timeout_s": config.timeout,
+        "link": config.link,
+        "backward": config.backward,
+        "chunk_bytes": config.chunk_bytes,
+        "cpu_count": os.cpu_count(),
     }

@@ -1,0 +1,306 @@
+r"""
+An emulated network link for ``qcomm bench --link RATE``: every local rank
+runs in a network namespace of its own, and the ranks reach each other only
+through virtual Ethernet (veth) devices shaped to ``RATE`` in each direction
+with a token-bucket filter (``tc qdisc ... tbf``), like ports of a switch.
+
+Two ranks are joined by one veth pair; more ranks each get a veth to a bridge
+in a namespace of its own (the switch), shaped on both ends. The namespaces
+are named after this process (``qcomm-<pid>-...``) and removed on every way
+out of :class:`Link` (normal end, error, Ctrl-C, SIGTERM); namespaces left by
+a run that was killed outright are removed by the next run.
+
+Needs root (or ``CAP_NET_ADMIN`` and ``CAP_SYS_ADMIN``) and the ``ip`` and
+``tc`` commands of iproute2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from types import FrameType, TracebackType
+from typing import Any
+
+__all__ = ["Link", "LinkError", "check_privileges", "parse_rate", "tc_rate"]
+
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*$", re.IGNORECASE)
+_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_PREFIX = "qcomm-"
+_SUBNET = "10.213.0"
+_INTERFACE = "eth0"
+
+
+class LinkError(RuntimeError):
+    r"""
+    The emulated link cannot be set up; the message says what is missing.
+    """
+
+
+def parse_rate(text: str) -> float:
+    r"""
+    parse_rate(text: str) -> float
+
+    A link rate in bits per second, written as ``tc`` writes rates:
+    ``1gbit``, ``10gbit``, ``100mbit``, ``2.5gbit`` (``bit`` may be left out:
+    ``10g``).
+
+    Args:
+        text (str): the rate.
+
+    Returns:
+        float: bits per second.
+
+    Raises:
+        ValueError: if ``text`` is not a positive rate.
+
+    Examples::
+
+        >>> parse_rate("10gbit"), parse_rate("100mbit"), parse_rate("2.5g")
+        (10000000000.0, 100000000.0, 2500000000.0)
+    """
+    match = _RATE.match(text)
+    if match is None or match.group(3) and match.group(3).lower() == "bps":
+        raise ValueError(
+            f"--link: expected a rate in bits per second like 1gbit, 10gbit or 100mbit, "
+            f"got {text!r}"
+        )
+    value = float(match.group(1)) * _SCALE[match.group(2).lower()]
+    if not value >= 1e3:
+        raise ValueError(f"--link: expected a rate of at least 1kbit, got {text!r}")
+    return value
+
+
+def tc_rate(bits_per_second: float) -> str:
+    r"""
+    tc_rate(bits_per_second: float) -> str
+
+    The rate as ``tc`` reads it.
+
+    Args:
+        bits_per_second (float): the rate.
+
+    Returns:
+        str: kilobits per second, e.g. ``"1000000kbit"``.
+
+    Examples::
+
+        >>> tc_rate(1e10), tc_rate(2.5e9)
+        ('10000000kbit', '2500000kbit')
+    """
+    return f"{round(bits_per_second / 1e3)}kbit"
+
+
+def _run(*args: str) -> None:
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise LinkError(f"`{' '.join(args)}` failed: {(done.stderr or done.stdout).strip()}")
+
+
+def _namespaces() -> list[str]:
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale() -> None:
+    # Namespaces of runs that were killed outright (SIGKILL) and could not
+    # clean up after themselves.
+    for name in _namespaces():
+        match = re.match(rf"^{_PREFIX}(\d+)-", name)
+        if match and not _alive(int(match.group(1))):
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def check_privileges() -> None:
+    r"""
+    check_privileges() -> None
+
+    Checks, without changing anything, that this process can build the link.
+
+    Raises:
+        LinkError: naming what is missing.
+    """
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise LinkError(
+            f"--link needs the {' and '.join(missing)} command(s) of iproute2 on PATH "
+            f"(e.g. apt-get install iproute2)"
+        )
+    if os.geteuid() != 0:
+        raise LinkError(
+            "--link needs root (network namespaces and tc): run it as root, or with the "
+            "CAP_NET_ADMIN and CAP_SYS_ADMIN capabilities"
+        )
+
+
+class Link:
+    r"""
+    The emulated link of one run, as a context manager: entering builds the
+    namespaces and shaped devices, leaving (however it happens) removes them.
+
+    Args:
+        world_size (int): ranks, one namespace each.
+        bits_per_second (float): the rate of every port, each direction.
+
+    Raises:
+        LinkError: if the link cannot be built; nothing is left behind.
+
+    Examples::
+
+        >>> link = Link(2, 1e9)
+        >>> link.address(0), link.command(1, ["python"])[:4]  # doctest: +ELLIPSIS
+        ('10.213.0.1', ['ip', 'netns', 'exec', 'qcomm-...-r1'])
+    """
+
+    def __init__(self, world_size: int, bits_per_second: float) -> None:
+        self.world_size = world_size
+        self.bits_per_second = bits_per_second
+        self._tag = f"{_PREFIX}{os.getpid()}"
+        self._made: list[str] = []
+        self._old_handler: Any = None
+
+    def namespace(self, rank: int) -> str:
+        r"""
+        namespace(rank: int) -> str
+
+        The network namespace of ``rank``.
+
+        Args:
+            rank (int): the rank.
+
+        Returns:
+            str: its name, ``qcomm-<pid>-r<rank>``.
+        """
+        return f"{self._tag}-r{rank}"
+
+    def address(self, rank: int) -> str:
+        r"""
+        address(rank: int) -> str
+
+        The IPv4 address of ``rank`` on the link.
+
+        Args:
+            rank (int): the rank.
+
+        Returns:
+            str: e.g. ``"10.213.0.1"`` for rank 0.
+        """
+        return f"{_SUBNET}.{rank + 1}"
+
+    @property
+    def interface(self) -> str:
+        r"""
+        interface() -> str
+
+        The name of every rank's link device (what ``GLOO_SOCKET_IFNAME`` names).
+        """
+        return _INTERFACE
+
+    def command(self, rank: int, argv: list[str]) -> list[str]:
+        r"""
+        command(rank: int, argv: list[str]) -> list[str]
+
+        ``argv`` run inside the namespace of ``rank``.
+
+        Args:
+            rank (int): the rank.
+            argv (list[str]): the command.
+
+        Returns:
+            list[str]: ``ip netns exec <namespace>`` followed by ``argv``.
+        """
+        return ["ip", "netns", "exec", self.namespace(rank), *argv]
+
+    def _shape(self, namespace: str, device: str) -> None:
+        rate = tc_rate(self.bits_per_second)
+        # The bucket holds about a millisecond of traffic (at least 128 KiB):
+        # enough for the kernel's timer to keep the rate, too little to
+        # change a transfer's duration.
+        burst = max(128 * 1024, int(self.bits_per_second / 8 / 1000))
+        _run(
+            "ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device,
+            "root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms",
+        )  # fmt: skip
+
+    def _add_namespace(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self._made.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        ranks = [self.namespace(r) for r in range(self.world_size)]
+        for name in ranks:
+            self._add_namespace(name)
+        if self.world_size == 2:
+            _run(
+                "ip", "-n", ranks[0], "link", "add", _INTERFACE, "type", "veth",
+                "peer", "name", _INTERFACE, "netns", ranks[1],
+            )  # fmt: skip
+        else:
+            switch = f"{self._tag}-switch"
+            self._add_namespace(switch)
+            _run("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", switch, "link", "set", "br0", "up")
+            for r, name in enumerate(ranks):
+                port = f"port{r}"
+                _run(
+                    "ip", "-n", name, "link", "add", _INTERFACE, "type", "veth",
+                    "peer", "name", port, "netns", switch,
+                )  # fmt: skip
+                _run("ip", "-n", switch, "link", "set", port, "master", "br0")
+                _run("ip", "-n", switch, "link", "set", port, "up")
+                self._shape(switch, port)
+        for r, name in enumerate(ranks):
+            _run("ip", "-n", name, "addr", "add", f"{self.address(r)}/24", "dev", _INTERFACE)
+            _run("ip", "-n", name, "link", "set", _INTERFACE, "up")
+            self._shape(name, _INTERFACE)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # SIGTERM ends the run like Ctrl-C does, through the cleanup below.
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __enter__(self) -> Link:
+        check_privileges()
+        _remove_stale()
+        try:
+            self._old_handler = signal.signal(signal.SIGTERM, self._on_signal)
+        except ValueError:  # not the main thread: SIGTERM keeps its handler
+            self._old_handler = None
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        r"""
+        close() -> None
+
+        Removes every namespace this link made (their devices go with them).
+        """
+        while self._made:
+            subprocess.run(["ip", "netns", "delete", self._made.pop()], capture_output=True)
+        if self._old_handler is not None:
+            signal.signal(signal.SIGTERM, self._old_handler)
+            self._old_handler = None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

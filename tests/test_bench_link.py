@@ -1,0 +1,207 @@
+"""`qcomm bench --link`: local ranks over an emulated, shaped link.
+
+Where network namespaces can be made (root, iproute2), a short run on a
+1 Gbit/s link is checked: the link's measured throughput is near its rate,
+no collective beats the wire's bound, and no namespace is left behind, after
+a normal end, SIGTERM or Ctrl-C, or (for the next run) SIGKILL. Without the
+privileges the command must stop at once with one line saying what is
+missing; that is checked everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from qcomm.benchmark import link as qlink
+from qcomm.benchmark.launch import spawn_local
+from qcomm.benchmark.options import BenchConfig
+
+
+def _namespaces_unavailable() -> str | None:
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2's ip and tc are not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    name = f"qcomm-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot make a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    return None
+
+
+UNAVAILABLE = _namespaces_unavailable()
+needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
+
+
+def _ours(pid: int) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if f"qcomm-{pid}-" in line]
+
+
+def _bench(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "qcomm.cli", "bench", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+@needs_namespaces
+def test_a_short_run_on_a_1gbit_link(tmp_path: Any) -> None:
+    out = tmp_path / "link.json"
+    proc = _bench(
+        "--link",
+        "1gbit",
+        "--quick",
+        "--sizes",
+        "4M",
+        "--codecs",
+        "int8",
+        "--ops",
+        "pooled",
+        "--no-fbgemm",
+        "--json",
+        str(out),
+    )
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert _ours(proc.pid) == [], "namespaces left behind"
+    assert "Emulated link: 1gbit" in stdout
+    results = json.loads(out.read_text())
+    link = results["link"]
+    assert link["rate_bps"] == 1e9 and link["error"] is None
+    # TCP over the shaped veth carries close to the rate, never more than
+    # the rate plus the bucket's burst.
+    for key in ("one_way_gbps", "both_ways_gbps"):
+        assert 0.5 * 0.125 < link[key] < 1.1 * 0.125, (key, link)
+    points = {p["label"]: p for p in results["collectives"] if p["pass"] == "fwd"}
+    assert {"noop", "int8", "bare:p2p", "bare:native"} <= set(points)
+    for label, p in points.items():
+        assert p["status"] == "ok", (label, p["error"])
+        # 4 MiB per rank, 2 MiB cross each port: 16.8 ms at 1 Gbit/s for
+        # float32; nothing crosses faster than the wire (less the burst).
+        assert p["link_bound_s"] > 0
+        assert p["x_link_bound"] > 0.8, (label, p["x_link_bound"])
+    assert points["int8"]["link_bound_s"] < points["noop"]["link_bound_s"] / 3
+
+
+def _wait_for_namespaces(proc: subprocess.Popen[str], deadline: float) -> list[str]:
+    while time.monotonic() < deadline and proc.poll() is None:
+        made = _ours(proc.pid)
+        if len(made) == 2:
+            return made
+        time.sleep(0.1)
+    return []
+
+
+@needs_namespaces
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
+def test_namespaces_go_when_the_run_is_stopped(how: signal.Signals) -> None:
+    proc = _bench("--link", "100mbit", "--sizes", "64M", "--codecs", "noop", "--no-fbgemm")
+    try:
+        assert _wait_for_namespaces(proc, time.monotonic() + 60), "the link never came up"
+        time.sleep(1.0)  # let the ranks start
+        proc.send_signal(how)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert _ours(proc.pid) == []
+
+
+@needs_namespaces
+def test_a_killed_runs_namespaces_are_removed_by_the_next() -> None:
+    stale = "qcomm-999999999-r0"  # no such pid
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        with qlink.Link(2, 1e9) as made:
+            names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert stale not in names
+            assert made.namespace(0) in names and made.namespace(1) in names
+        assert _ours(os.getpid()) == []
+    finally:
+        subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
+
+
+@needs_namespaces
+def test_three_ranks_meet_through_a_switch(tmp_path: Any) -> None:
+    out = tmp_path / "link3.json"
+    proc = _bench(
+        "--link",
+        "1gbit",
+        "--world-size",
+        "3",
+        "--quick",
+        "--sizes",
+        "1M",
+        "--codecs",
+        "noop",
+        "--ops",
+        "seq",
+        "--no-fbgemm",
+        "--json",
+        str(out),
+    )
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert _ours(proc.pid) == []
+    results = json.loads(out.read_text())
+    assert all(p["status"] == "ok" for p in results["collectives"])
+
+
+def test_without_the_tools_it_stops_at_once_saying_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(qlink.shutil, "which", lambda tool: None)
+    started = time.monotonic()
+    status = spawn_local(BenchConfig(link="1gbit", codecs=["noop"], fbgemm=False))
+    assert status == 2 and time.monotonic() - started < 5
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--link needs the ip and tc command(s)" in err[0], err
+
+
+def test_without_root_it_stops_at_once_saying_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(qlink.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(qlink.os, "geteuid", lambda: 1000)
+    status = spawn_local(BenchConfig(link="1gbit", codecs=["noop"], fbgemm=False))
+    assert status == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--link needs root" in err[0], err
+
+
+def test_rates_read_like_tc() -> None:
+    assert qlink.parse_rate("1gbit") == 1e9
+    assert qlink.parse_rate(" 10Gbit ") == 1e10
+    assert qlink.parse_rate("100mbit") == 1e8
+    assert qlink.parse_rate("2.5g") == 2.5e9
+    assert qlink.tc_rate(1e9) == "1000000kbit"
+    for bad in ("fast", "1gbps", "0gbit", "-1gbit", "1 gigabit", ""):
+        with pytest.raises(ValueError, match="--link"):
+            qlink.parse_rate(bad)
+
+
+def test_link_is_refused_under_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qcomm.bench import config_from_args
+    from qcomm.cli import build_parser
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "x")):
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["bench", "--link", "1gbit"])
+    with pytest.raises(ValueError, match="--link"):
+        config_from_args(args)
