@@ -1,28 +1,36 @@
 r"""
-Train a small DLRM on synthetic data on local ranks, once with plain float32
-comms and once per qcomm codec registry, and compare the loss curves.
+Train a small DLRM on synthetic data on local ranks, with plain float32 comms
+and with each qcomm codec registry, over several seeds, and say what each
+codec costs in held-out loss, with a confidence interval.
 
-Every run starts from the same weights and sees the same batches; only the
-codecs on TorchRec's embedding collectives differ. The four tables are
-sharded table-wise (two), row-wise (one; TorchRec's pooled reduce-scatter) and
-column-wise (one, in 8-column shards that block codecs must pad), so both
-pooled collectives carry quantized traffic, forward and backward.
+Within a seed every configuration starts from the same weights and sees the
+same batches; only the codecs on TorchRec's embedding collectives differ, so
+the gap of a codec to float32 is measured pair by pair, seed by seed, and the
+seeds give its spread: the table shows the mean gap and its 95% confidence
+interval (Student's t over the seeds), and calls a gap significant when the
+interval leaves out zero. The four tables are sharded table-wise (two),
+row-wise (one; TorchRec's pooled reduce-scatter) and column-wise (one, in
+8-column shards that block codecs must pad), so both pooled collectives carry
+quantized traffic, forward and backward. The synthetic target puts most of
+its signal in the embeddings, so that what a codec does to them shows.
 
 Usage::
 
-    python examples/train_dlrm.py                       # all configurations, into out/
-    python examples/train_dlrm.py --out /tmp/run --steps 100 --configs fp32,int8
+    python examples/train_dlrm.py                       # all configurations, 5 seeds, into out/
+    python examples/train_dlrm.py --out /tmp/run --steps 100 --seeds 3 --configs fp32,int8
     python examples/train_dlrm.py --add "e5m2=pooled_embeddings_all_to_all=fp8_e5m2"
 
 Writes, under ``--out``:
 
-- ``loss_curves.png``: smoothed training loss per configuration (left) and
-  its difference to float32 (right).
-- ``results.json``: the arguments, every configuration's registry spec,
-  per-step training loss, final training loss (mean of the last 50 steps),
-  held-out loss, their gaps to float32, and wall time.
+- ``loss_curves.png``: the first seed's smoothed training loss per
+  configuration (left) and every configuration's held-out gap to float32 with
+  its confidence interval (right).
+- ``results.json``: the arguments, every configuration's registry spec, and
+  per seed the per-step training loss, final training loss (mean of the last
+  50 steps), held-out loss and their gaps to float32; per configuration the
+  mean gaps, their 95% confidence intervals and wall time.
 
-and prints the final loss gaps as a table.
+and prints the gaps as a table.
 """
 
 from __future__ import annotations
@@ -59,9 +67,17 @@ CONFIGS: dict[str, str | None] = {
 
 NUM_DENSE = 13
 EMB_DIM = 16
-ROWS = 500
+ROWS = 100
 TABLES = ["t0", "t1", "t2", "t3"]
 TAIL = 50  # steps averaged for the final training loss
+# How strongly the ids drive the label, against the dense features' logit
+# (standard deviation about 1.8): most of what there is to learn goes
+# through the embeddings and so through the codecs.
+EMBEDDING_SIGNAL = 5.0
+# Student's t at 97.5% for 1..30 degrees of freedom (two-sided 95% intervals).
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042]  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -80,7 +96,7 @@ def make_data(n: int, seed: int) -> Data:
     """Labels drawn from a hidden teacher: a score per id of every table (the
     bag's mean) plus a linear function of the dense features."""
     gen = torch.Generator().manual_seed(seed)
-    scores = torch.randn(len(TABLES), ROWS, generator=gen)
+    scores = EMBEDDING_SIGNAL * torch.randn(len(TABLES), ROWS, generator=gen)
     lengths = torch.randint(1, 4, (len(TABLES), n), generator=gen)
     offsets = torch.zeros(len(TABLES), n + 1, dtype=torch.long)
     offsets[:, 1:] = lengths.cumsum(1)
@@ -131,7 +147,7 @@ def make_sharder(registry: dict[str, qcomm.QuantizedCommCodecs] | None, lr: floa
 
 
 def build_model(
-    registry: dict[str, qcomm.QuantizedCommCodecs] | None, args: argparse.Namespace
+    registry: dict[str, qcomm.QuantizedCommCodecs] | None, args: argparse.Namespace, seed: int
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The sharded DLRM with the same initial weights on every call, and the
     optimizer of its dense part (the tables' optimizer is fused into them)."""
@@ -147,7 +163,7 @@ def build_model(
     from torchrec.models.dlrm import DLRM
 
     world = dist.get_world_size()
-    torch.manual_seed(args.seed)  # the dense layers' initial weights
+    torch.manual_seed(seed)  # the dense layers' initial weights
     configs = [
         EmbeddingBagConfig(
             name=t, embedding_dim=EMB_DIM, num_embeddings=ROWS, feature_names=[f"f_{t}"]
@@ -181,7 +197,7 @@ def build_model(
     )
     # The tables' initial weights, drawn like TorchRec's default init but
     # from the seed, so that every configuration starts from the same point.
-    gen = torch.Generator().manual_seed(args.seed + 1)
+    gen = torch.Generator().manual_seed(seed + 1)
     bound = math.sqrt(1.0 / ROWS)
     full = {t: (torch.rand(ROWS, EMB_DIM, generator=gen) * 2 - 1) * bound for t in TABLES}
     with torch.no_grad():
@@ -195,12 +211,12 @@ def build_model(
     return dmp, torch.optim.Adam(dense, lr=args.dense_lr)
 
 
-def train(spec: str | None, data: Data, args: argparse.Namespace) -> dict[str, Any]:
+def train(spec: str | None, data: Data, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """One configuration: the loss of every step (mean over ranks) and the
     held-out loss after training."""
     rank, world = dist.get_rank(), dist.get_world_size()
     registry = qcomm.build_registry(spec) if spec else None
-    model, opt = build_model(registry, args)
+    model, opt = build_model(registry, args, seed)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     b = args.batch_size
     losses = []
@@ -245,11 +261,17 @@ def _rank_main(
     )
     try:
         n = (args.steps + args.eval_batches) * args.world_size * args.batch_size
-        data = make_data(n, args.seed)  # the same on every rank and for every run
-        runs = {name: train(spec, data, args) for name, spec in configs.items()}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+        bayes = []
+        for k in range(args.seeds):
+            seed = args.seed + 1000 * k
+            data = make_data(n, seed)  # the same on every rank and for every configuration
+            bayes.append(data.bayes_loss)
+            for name, spec in configs.items():
+                runs[name].append(train(spec, data, args, seed))
         if rank == 0:
             with open(os.path.join(tmp, "runs.json"), "w") as f:
-                json.dump({"bayes_loss": data.bayes_loss, "runs": runs}, f)
+                json.dump({"bayes_loss": sum(bayes) / len(bayes), "runs": runs}, f)
     finally:
         dist.destroy_process_group()
     # All is written: leave without the interpreter's teardown, in which the
@@ -268,29 +290,75 @@ def _smooth(values: list[float], window: int = 20) -> list[float]:
     return out
 
 
+def interval(gaps: list[float]) -> tuple[float, float]:
+    """Mean of paired gaps and the half-width of its 95% confidence interval
+    (Student's t; infinite for a single seed)."""
+    mean = sum(gaps) / len(gaps)
+    if len(gaps) < 2:
+        return mean, math.inf
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gaps) / (len(gaps) - 1))
+    t = T975[min(len(gaps) - 1, len(T975)) - 1]
+    return mean, t * sd / math.sqrt(len(gaps))
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per configuration: mean losses, and gaps to fp32 (seed by seed) with
+    their confidence intervals."""
+    base = runs.get("fp32")
+    out = {}
+    for name, seeds in runs.items():
+        row: dict[str, Any] = {
+            "final_train_loss": sum(r["final_train_loss"] for r in seeds) / len(seeds),
+            "held_out_loss": sum(r["held_out_loss"] for r in seeds) / len(seeds),
+            "seconds": sum(r["seconds"] for r in seeds),
+        }
+        for key in ("final_train_loss", "held_out_loss"):
+            gap = key.replace("final_", "").replace("_loss", "") + "_gap"
+            if base is None:
+                row[gap] = row[gap + "_ci95"] = None
+                continue
+            gaps = [r[key] - b[key] for r, b in zip(seeds, base)]
+            for r, g in zip(seeds, gaps):
+                r[gap] = g
+            mean, half = interval(gaps)
+            # JSON has no infinity: one seed gives no interval at all.
+            row[gap], row[gap + "_ci95"] = mean, None if math.isinf(half) else half
+        half = row["held_out_gap_ci95"]
+        row["significant"] = half is not None and abs(row["held_out_gap"]) > half
+        out[name] = row
+    return out
+
+
 def plot(results: dict[str, Any], path: str) -> None:
-    """Loss curves side by side: smoothed loss, and its difference to fp32."""
+    """The first seed's loss curves, and every codec's held-out gap with its
+    confidence interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = results["runs"]
+    runs, summary = results["runs"], results["summary"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    base = _smooth(runs["fp32"]["losses"]) if "fp32" in runs else None
-    for name, run in runs.items():
-        smooth = _smooth(run["losses"])
-        left.plot(smooth, label=name, linewidth=1.2)
-        if base is not None:
-            right.plot([a - b for a, b in zip(smooth, base)], label=name, linewidth=1.2)
+    for name, seeds in runs.items():
+        left.plot(_smooth(seeds[0]["losses"]), label=name, linewidth=1.2)
     left.axhline(
         results["bayes_loss"], color="gray", linestyle="--", label="teacher (best possible)"
     )
-    left.set(xlabel="step", ylabel="training loss (BCE, 20-step mean)", title="DLRM on 2 ranks")
-    right.set(xlabel="step", ylabel="loss - fp32 loss", title="gap to float32 comms")
+    left.set(
+        xlabel="step", ylabel="training loss (BCE, 20-step mean)", title="DLRM on 2 ranks, seed 1"
+    )
+    names = [n for n in summary if summary[n]["held_out_gap"] is not None and n != "fp32"]
+    gaps = [summary[n]["held_out_gap"] for n in names]
+    errors = [summary[n]["held_out_gap_ci95"] or 0.0 for n in names]
+    right.errorbar(range(len(names)), gaps, yerr=errors, fmt="o", capsize=5)
+    right.set_xticks(range(len(names)), names)
     right.axhline(0.0, color="gray", linewidth=0.8)
+    seeds = len(next(iter(runs.values())))
+    right.set(
+        ylabel="held-out loss - fp32's (same seed)",
+        title=f"what each codec costs: mean gap, 95% interval over {seeds} seeds",
+    )
     left.legend()
-    right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -299,13 +367,16 @@ def plot(results: dict[str, Any], path: str) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("--out", default="out", help="output folder (default: out/)")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=128, help="samples per rank and step")
     parser.add_argument("--eval-batches", type=int, default=20, help="held-out batches per rank")
     parser.add_argument("--world-size", type=int, default=2, help="local ranks, at least 2")
-    parser.add_argument("--lr", type=float, default=0.05, help="tables' row-wise Adagrad")
+    parser.add_argument("--lr", type=float, default=0.1, help="tables' row-wise Adagrad")
     parser.add_argument("--dense-lr", type=float, default=3e-3, help="dense layers' Adam")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument(
+        "--seeds", type=int, default=5, help="seeds per configuration, paired (default: 5)"
+    )
     parser.add_argument(
         "--configs",
         default=",".join(CONFIGS),
@@ -319,8 +390,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="one more configuration: a name and a qcomm registry string (repeatable)",
     )
     args = parser.parse_args(argv)
-    if min(args.steps, args.batch_size, args.eval_batches) < 1 or args.world_size < 2:
-        parser.error("--steps, --batch-size and --eval-batches must be >= 1, --world-size >= 2")
+    if min(args.steps, args.batch_size, args.eval_batches, args.seeds) < 1 or args.world_size < 2:
+        parser.error(
+            "--steps, --batch-size, --eval-batches and --seeds must be >= 1, --world-size >= 2"
+        )
 
     configs: dict[str, str | None] = {}
     for name in filter(None, (c.strip() for c in args.configs.split(","))):
@@ -345,25 +418,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with open(os.path.join(tmp, "runs.json")) as f:
             results = json.load(f)
 
-    runs = results["runs"]
-    base = runs.get("fp32")
-    for run in runs.values():
-        run["train_gap"] = run["final_train_loss"] - base["final_train_loss"] if base else None
-        run["held_out_gap"] = run["held_out_loss"] - base["held_out_loss"] if base else None
+    results["summary"] = summarize(results["runs"])
     results["args"] = vars(args)
     results["total_seconds"] = time.perf_counter() - start
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.join(args.out, "loss_curves.png"))
 
-    print(f"{'config':<8} {'train loss':>10} {'gap':>9} {'held-out':>9} {'gap':>9} {'time s':>7}")
-    for name, run in runs.items():
-        gaps = [run["train_gap"], run["held_out_gap"]]
+    seeds = args.seeds
+    print(
+        f"{'config':<8} {'train loss':>10} {'gap':>9} {'held-out':>9} {'gap':>9} "
+        f"{'95% interval':>19} {'significant':>11} {'time s':>7}"
+    )
+    for name, row in results["summary"].items():
+        gaps = [row["train_gap"], row["held_out_gap"]]
         tg, hg = (f"{g:+9.4f}" if g is not None else f"{'-':>9}" for g in gaps)
+        half = row["held_out_gap_ci95"]
+        if row["held_out_gap"] is None or half is None or name == "fp32":
+            ci, sig = f"{'-':>19}", f"{'-':>11}"
+        else:
+            lo, hi = row["held_out_gap"] - half, row["held_out_gap"] + half
+            ci, sig = f"[{lo:+.4f}, {hi:+.4f}]", f"{'yes' if row['significant'] else 'no':>11}"
         print(
-            f"{name:<8} {run['final_train_loss']:>10.4f} {tg} {run['held_out_loss']:>9.4f} {hg} "
-            f"{run['seconds']:>7.1f}"
+            f"{name:<8} {row['final_train_loss']:>10.4f} {tg} {row['held_out_loss']:>9.4f} {hg} "
+            f"{ci:>19} {sig} {row['seconds']:>7.1f}"
         )
+    print(
+        f"gaps: the configuration's loss minus fp32's on the same seed, mean over {seeds} "
+        f"seed(s); significant: the 95% interval leaves out 0"
+    )
     print(f"teacher's own loss (best possible): {results['bayes_loss']:.4f}")
     print(f"total {results['total_seconds']:.0f} s; wrote {args.out}/loss_curves.png, results.json")
     return results

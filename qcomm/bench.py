@@ -35,7 +35,7 @@ from qcomm.benchmark.options import (
     parse_sizes,
     split_codec_list,
 )
-from qcomm.registry import parse_codec_spec
+from qcomm.registry import load_codec, parse_codec_spec
 from qcomm.types import CodecError
 
 __all__ = ["add_bench_arguments", "config_from_args", "run_bench"]
@@ -184,6 +184,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "each collective's time against the link's bound",
     )
     parser.add_argument(
+        "--link-gbps",
+        type=_as_argument(_positive(float, "--link-gbps")),
+        metavar="N",
+        help="your cluster's link rate in Gbit/s (each direction, per rank): the report "
+        "recommends a codec pair for it, with its expected speed-up and error. "
+        "Default: the --link rate, else advice for 1, 10 and 100 Gbit/s",
+    )
+    parser.add_argument(
         "--backward",
         action="store_true",
         help="also time every collective's forward and backward pass together",
@@ -218,14 +226,23 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         BenchConfig: the settings.
 
     Raises:
-        ValueError: if ``--world-size`` is below 2 without a launcher, or
-            contradicts the launcher's ``WORLD_SIZE``; if ``--plot`` is given
-            without matplotlib; if an output's folder does not exist.
+        ValueError: if a codec named by ``--codecs`` cannot be built, if
+            ``--world-size`` is below 2 without a launcher, or contradicts the
+            launcher's ``WORLD_SIZE``; if ``--plot`` is given without
+            matplotlib; if an output's folder does not exist.
     """
     quick: dict[str, Any] = dict(_QUICK) if args.quick else {}
     config = BenchConfig(quick=args.quick, fbgemm=args.fbgemm, timeout=args.timeout, seed=args.seed)
+    config.command = list(sys.argv)
     if args.codecs:
         config.codecs = [spec for group in args.codecs for spec in group]
+        for spec in config.codecs:
+            # A codec the user named that cannot be built stops the run here,
+            # before any rank starts, rather than after the whole benchmark.
+            try:
+                load_codec(spec)
+            except CodecError as err:
+                raise ValueError(f"--codecs: {spec!r} cannot be used: {err}") from err
     if args.sizes:
         config.sizes = args.sizes
     elif args.quick:
@@ -239,6 +256,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     config.backward = args.backward
     config.chunk_bytes = args.chunk_size
     config.link = args.link
+    config.link_gbps = args.link_gbps
     if launcher_env():
         if args.link:
             raise ValueError(

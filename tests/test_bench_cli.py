@@ -8,6 +8,8 @@ import functools
 import json
 import math
 import pathlib
+import re
+import time
 
 import pytest
 import torch
@@ -16,13 +18,17 @@ from fake_dists import activate, make_dist
 import qcomm
 from qcomm import CodecError, CommOp, codec_info
 from qcomm.bench import config_from_args
+from qcomm.benchmark.codecs import default_codecs
 from qcomm.benchmark.collectives import base_input, make_case
 from qcomm.benchmark.launch import spawn_local
 from qcomm.benchmark.metrics import (
+    TCP_EFFICIENCY,
     algorithm_bandwidth,
     break_even_bandwidth,
     bus_bandwidth,
+    collective_break_even,
     error_stats,
+    predicted_time,
     sqnr_db,
 )
 from qcomm.benchmark.options import (
@@ -34,7 +40,7 @@ from qcomm.benchmark.options import (
     parse_sizes,
     split_codec_list,
 )
-from qcomm.benchmark.report import jsonable
+from qcomm.benchmark.report import format_report, jsonable
 from qcomm.benchmark.timing import calls_for_budget
 from qcomm.cli import build_parser
 from qcomm.cli import main as cli_main
@@ -45,16 +51,16 @@ CODEC_FIGURES = [
     "wire_bytes_per_element",
     "bits_per_element",
     "compression_ratio",
-    "encode_gbps",
-    "decode_gbps",
+    "encode_GBps",
+    "decode_GBps",
     "encode_roofline_fraction",
     "decode_roofline_fraction",
     "max_rel_error",
     "rms_rel_error",
     "sqnr_db",
-    "break_even_gbps",
+    "break_even_GBps",
 ]
-POINT_FIGURES = ["latency_s", "algbw_gbps", "busbw_gbps", "speedup", "max_rel_error"]
+POINT_FIGURES = ["latency_s", "algbw_GBps", "busbw_GBps", "speedup", "max_rel_error"]
 
 # Two codecs that must show up as failed rows, not end the run: one whose
 # plugin cannot be imported, one that raises when it encodes.
@@ -100,7 +106,8 @@ def _strict_json(path: pathlib.Path) -> dict:
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """One `qcomm bench --quick` on every discovered codec plus two broken ones."""
+    """One `qcomm bench --quick` on the default codecs (every discovered one but the
+    example plugin's) plus two broken ones."""
     root = tmp_path_factory.mktemp("bench_plugins")
     make_dist(
         root,
@@ -116,7 +123,9 @@ def quick_run(tmp_path_factory):
         # The ranks are separate processes: they find the plugins on PYTHONPATH.
         mp.setenv("PYTHONPATH", str(root), prepend=":")
         mp.delenv("QCOMM_PLUGINS", raising=False)
-        names = qcomm.available_codecs()
+        names = default_codecs()
+        assert "example_fp16_scaled" in qcomm.available_codecs()
+        assert "example_fp16_scaled" not in names and "bench_crashy" in names
         status = cli_main(
             ["bench", "--quick", "--json", str(out / "out.json"), "--plot", str(out / "out.png")]
         )
@@ -153,8 +162,8 @@ def test_quick_run_meta(quick_run):
     assert meta["backend"] == "gloo" and meta["device"] == "cpu"
     assert meta["sizes"] == QUICK_SIZES and meta["ops"] == OPS and meta["quick"] is True
     assert 0 < meta["duration_s"] < 600
-    _positive_finite(results["roofline"], ["copy_s", "copy_gbps"], "roofline")
-    assert set(results["units"]) >= {"busbw_gbps", "break_even_gbps", "max_rel_error"}
+    _positive_finite(results["roofline"], ["copy_s", "copy_GBps"], "roofline")
+    assert set(results["units"]) >= {"busbw_GBps", "break_even_GBps", "max_rel_error"}
 
 
 def _working_codecs(names: list[str]) -> list[str]:
@@ -164,7 +173,7 @@ def _working_codecs(names: list[str]) -> list[str]:
 def test_quick_run_codec_figures(quick_run):
     _, names, results, _ = quick_run
     rows = {r["codec"]: r for r in results["codecs"]}
-    copy_gbps = results["roofline"]["copy_gbps"]
+    copy_GBps = results["roofline"]["copy_GBps"]
     for name in _working_codecs(names):
         row = rows[name]
         assert row["status"] == "ok", f"{name}: {row['error']}"
@@ -178,16 +187,16 @@ def test_quick_run_codec_figures(quick_run):
         assert row["compression_ratio"] == pytest.approx(4 / row["wire_bytes_per_element"])
         assert row["declared_bits_per_element"] == codec_info(codec).bits_per_element
         logical, wire = 4 * n, row["wire_bytes_per_element"] * n
-        assert row["encode_gbps"] == pytest.approx(logical / row["encode_s"] / 1e9)
-        assert row["encode_roofline_fraction"] == pytest.approx(row["encode_gbps"] / copy_gbps)
-        assert row["decode_roofline_fraction"] == pytest.approx(row["decode_gbps"] / copy_gbps)
-        assert row["break_even_gbps"] == pytest.approx(
+        assert row["encode_GBps"] == pytest.approx(logical / row["encode_s"] / 1e9)
+        assert row["encode_roofline_fraction"] == pytest.approx(row["encode_GBps"] / copy_GBps)
+        assert row["decode_roofline_fraction"] == pytest.approx(row["decode_GBps"] / copy_GBps)
+        assert row["break_even_GBps"] == pytest.approx(
             break_even_bandwidth(wire, logical, row["encode_s"], row["decode_s"]) / 1e9
         )
         if name == "noop":
             assert row["max_rel_error"] == 0 and row["rms_rel_error"] == 0
             assert row["sqnr_db"] is None  # infinite: exact
-            assert row["compression_ratio"] == 1 and row["break_even_gbps"] == 0
+            assert row["compression_ratio"] == 1 and row["break_even_GBps"] == 0
             continue
         _positive_finite(row, CODEC_FIGURES, name)
         assert row["sqnr_db"] == pytest.approx(-20 * math.log10(row["rms_rel_error"]))
@@ -205,9 +214,8 @@ def test_quick_run_fbgemm_rows(quick_run):
     assert set(rows) == {"fbgemm:fp16", "fbgemm:bf16", "fbgemm:int8", "fbgemm:fp8", "fbgemm:mx4"}
     qcomm_rows = {r["codec"]: r for r in results["codecs"]}
     for label, row in rows.items():
-        if row["status"] != "ok":
-            assert row["error"], label  # e.g. fbgemm's tensor-wise FP8 wants 2-D input on CPU
-            continue
+        # Every one runs, fbgemm's tensor-wise FP8 too (it sees rows of 32).
+        assert row["status"] == "ok", (label, row["error"])
         _positive_finite(row, CODEC_FIGURES, label)
     # fbgemm's fp16 and bf16 are the same casts as qcomm's: the same error.
     for fmt in ("fp16", "bf16"):
@@ -257,11 +265,11 @@ def test_quick_run_collective_figures(quick_run):
                 p = points[(op, name, size)]
                 where = f"{op} {format_size(size)} {name}"
                 assert p["status"] == "ok", f"{where}: {p['error']}"
-                _positive_finite(p, ["latency_s", "algbw_gbps", "busbw_gbps", "speedup"], where)
+                _positive_finite(p, ["latency_s", "algbw_GBps", "busbw_GBps", "speedup"], where)
                 assert p["calls"] >= 3
-                assert p["algbw_gbps"] == pytest.approx(size / p["latency_s"] / 1e9)
+                assert p["algbw_GBps"] == pytest.approx(size / p["latency_s"] / 1e9)
                 # nccl-tests: busbw = algbw * (n - 1) / n for all-to-all and reduce-scatter.
-                assert p["busbw_gbps"] == pytest.approx(p["algbw_gbps"] / 2)
+                assert p["busbw_GBps"] == pytest.approx(p["algbw_GBps"] / 2)
                 assert p["speedup"] == pytest.approx(noop["latency_s"] / p["latency_s"])
                 info = codec_info(qcomm.load_codec(name))
                 bound = _collective_bound(info, CommOp(op), size)
@@ -282,12 +290,14 @@ def test_quick_run_torchrec_rows(quick_run):
         if p["status"] != "ok":
             assert p["error"]
             continue
-        _positive_finite(p, ["latency_s", "busbw_gbps", "speedup"], p["label"])
+        _positive_finite(p, ["latency_s", "busbw_GBps", "speedup"], p["label"])
         if p["codec"] == "none":
             assert p["speedup"] == 1.0 and p["max_rel_error"] == 0.0
     # TorchRec's int8 through its own all-to-all errs like fbgemm's int8 codec on its own.
     int8 = {p["size_bytes"]: p for p in torchrec if p["codec"] == "fbgemm:int8"}
     assert all(p["status"] == "ok" and p["max_rel_error"] < 0.01 for p in int8.values())
+    fp8 = [p for p in torchrec if p["codec"] == "fbgemm:fp8"]
+    assert fp8 and all(p["status"] == "ok" for p in fp8), [p["error"] for p in fp8]
 
 
 def test_quick_run_plot_is_a_png(quick_run):
@@ -417,8 +427,17 @@ def test_bench_options(monkeypatch, tmp_path):
     config = _config()
     assert config.codecs is None and config.world_size == 2 and config.sizes[0] == 64 << 10
     assert config.sizes[-1] == 64 << 20 and config.ops == OPS and config.fbgemm
-    quick = _config("--quick", "--codecs", "int8:row_dim=64,fp16", "--codec", "mx4:a=1,b=2")
-    assert quick.codecs == ["int8:row_dim=64", "fp16", "mx4:a=1,b=2"]
+    quick = _config(
+        "--quick", "--codecs", "int8:row_dim=64,fp16", "--codec", "mx4:group_size=16,rounding=floor"
+    )
+    assert quick.codecs == ["int8:row_dim=64", "fp16", "mx4:group_size=16,rounding=floor"]
+    # A named codec that cannot be built stops the run before any rank starts.
+    with pytest.raises(ValueError, match=r"--codecs: 'mx4:a=1,b=2' cannot be used: .* a, b"):
+        _config("--codec", "mx4:a=1,b=2")
+    with pytest.raises(ValueError, match="--codecs: 'nosuch' cannot be used: unknown codec"):
+        _config("--codecs", "int8,nosuch")
+    assert _config("--link-gbps", "25").link_gbps == 25.0
+    assert _config().command is not None
     assert quick.sizes == QUICK_SIZES and quick.budget < config.budget
     assert _config("--quick", "--sizes", "4M", "--budget", "1").sizes == [4 << 20]
     assert _config("--ops", "seq", "--no-fbgemm").ops == ["sequence_embeddings_all_to_all"]
@@ -441,3 +460,99 @@ def test_bad_options_are_usage_errors(capsys):
     assert "--sizes: expected a positive size" in capsys.readouterr().err
     assert cli_main(["bench", "--world-size", "1"]) == 2
     assert "--world-size" in capsys.readouterr().err
+    started = time.monotonic()
+    assert cli_main(["bench", "--codecs", "int8:row_dim=0"]) == 2
+    assert time.monotonic() - started < 30  # before any rank starts
+    assert "--codecs: 'int8:row_dim=0' cannot be used" in capsys.readouterr().err
+
+
+def test_quick_run_model_figures_and_advice(quick_run):
+    _, _, results, _ = quick_run
+    ours = [p for p in results["collectives"] if p["impl"] == "qcomm" and p["status"] == "ok"]
+    for p in ours:
+        # On loopback the time with no link limit is the measured time.
+        assert p["unlimited_s"] == p["latency_s"] and p["link_bytes"] > 0, p["label"]
+        bound = p["size_bytes"] / 2 / p["compression_ratio"] / TCP_EFFICIENCY
+        assert p["link_bytes"] == pytest.approx(bound)
+        if p["codec"] != "noop":
+            assert p["pays_at_every_rate"] in (True, False), p["label"]
+            if not p["pays_at_every_rate"]:
+                assert p["break_even_gbit_per_s"] >= 0, p["label"]
+    for row in results["codecs"]:
+        if row["status"] == "ok":
+            assert min(len(s) for s in row["encode_samples_s"]) >= 15
+            assert 0 <= row["spread"] < math.inf
+    meta = results["meta"]
+    assert meta["command"] and meta["cpu_model"] and meta["load_before"] is not None
+    text = format_report(results)
+    assert "expected on a link of 1 Gbit/s" in text and "100 Gbit/s" in text
+    specs = re.findall(r"QCOMM_CODECS='([^']*)'", text)
+    assert len(specs) == 3
+    for spec in specs:
+        registry = qcomm.build_registry(spec)  # what the report says to paste works
+        assert set(registry) == {op.name for op in CommOp}
+
+
+def _advice_results(times: dict[str, dict[str, float]], local: bool = True) -> dict:
+    # Synthetic figures: every codec at one size, noop's link bytes 4 MB.
+    ratio = {"noop": 1.0, "fp16": 2.0, "bf16": 2.0, "int8": 3.2, "mx4": 7.5}
+    points = [
+        {
+            "op": op,
+            "impl": "qcomm",
+            "label": label,
+            "codec": label,
+            "pass": "fwd",
+            "status": "ok",
+            "size_bytes": 8 << 20,
+            "latency_s": seconds,
+            "unlimited_s": seconds if local else None,
+            "link_bytes": 4e6 / ratio[label] if local else None,
+        }
+        for op, codecs in times.items()
+        for label, seconds in codecs.items()
+    ]
+    codecs = [
+        {"codec": label, "status": "ok", "max_rel_error": 0.1 / r, "rms_rel_error": 0.05 / r}
+        for label, r in ratio.items()
+    ]
+    return {"collectives": points, "codecs": codecs, "meta": {"local": local}}
+
+
+def test_advice_follows_the_model():
+    from qcomm.benchmark.advice import advise, registry_string, speedup_at
+
+    a2a, rs = (
+        CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.value,
+        CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value,
+    )
+    cheap = {"noop": 0.004, "fp16": 0.004, "bf16": 0.0045, "int8": 0.005, "mx4": 0.006}
+    results = _advice_results({a2a: cheap, rs: cheap})
+    slow = advise(results, 0.5)  # the link dominates: the smallest wire wins
+    assert [a.op for a in slow] == [a2a, rs]
+    assert slow[0].forward == "mx4" and slow[0].backward == "fp16"
+    assert slow[1].forward == "fp16"  # the reduce-scatter takes summable wires only
+    model = {k: (4e6 / r, cheap[k]) for k, r in (("noop", 1), ("mx4", 7.5))}
+    assert slow[0].forward_speedup == pytest.approx(speedup_at(model, "mx4", 0.5))
+    assert slow[0].max_rel_error == pytest.approx(0.1 / 7.5)
+    fast = advise(results, 10_000.0)  # no link limit: the codecs only cost
+    assert all(a.forward == "noop" and a.backward == "noop" for a in fast)
+    assert fast[0].speedup == pytest.approx(1.0)
+    assert registry_string(slow) == f"{a2a}=mx4/fp16,{rs}=fp16/fp16"
+    # Under a launcher the times are the cluster's own: the fastest measured wins.
+    measured = _advice_results({a2a: {"noop": 0.3, "int8": 0.1, "mx4": 0.2, "fp16": 0.15}}, False)
+    (real,) = advise(measured, 1.0)
+    assert real.forward == "int8" and real.forward_speedup == pytest.approx(3.0)
+
+
+def test_model_of_collective_time():
+    assert predicted_time(3e6, 1e9, 0.004) == pytest.approx(0.005)
+    assert predicted_time(0.0, 1e9, 0.004) == 0.004
+    assert predicted_time(1e9, 1e9, 0.0) == 1.0
+    with pytest.raises(ValueError, match="rate"):
+        predicted_time(1.0, 0.0, 1.0)
+    # Break-even: where the two predicted times are equal.
+    rate = collective_break_even(4e6, 0.003, 1e6, 0.005)
+    assert predicted_time(4e6, rate, 0.003) == pytest.approx(predicted_time(1e6, rate, 0.005))
+    assert collective_break_even(4e6, 0.005, 1e6, 0.003) == math.inf  # cheaper and smaller
+    assert collective_break_even(4e6, 0.003, 4e6, 0.005) == 0.0  # saves no bytes

@@ -84,7 +84,7 @@ def test_a_short_run_on_a_1gbit_link(tmp_path: Any) -> None:
     assert link["rate_bps"] == 1e9 and link["error"] is None
     # TCP over the shaped veth carries close to the rate, never more than
     # the rate plus the bucket's burst.
-    for key in ("one_way_gbps", "both_ways_gbps"):
+    for key in ("one_way_GBps", "both_ways_GBps"):
         assert 0.5 * 0.125 < link[key] < 1.1 * 0.125, (key, link)
     points = {p["label"]: p for p in results["collectives"] if p["pass"] == "fwd"}
     assert {"noop", "int8", "bare:p2p", "bare:native"} <= set(points)
@@ -95,6 +95,15 @@ def test_a_short_run_on_a_1gbit_link(tmp_path: Any) -> None:
         assert p["link_bound_s"] > 0
         assert p["x_link_bound"] > 0.8, (label, p["x_link_bound"])
     assert points["int8"]["link_bound_s"] < points["noop"]["link_bound_s"] / 3
+    # qcomm's series were timed again with the rate limit lifted: faster than
+    # on the link, and the model's prediction from that is in the right range
+    # (how close it comes is measured in the docs, not asserted on a busy CI).
+    for label in ("noop", "int8"):
+        p = points[label]
+        assert 0 < p["unlimited_s"] < p["latency_s"], (label, p["unlimited_s"], p["latency_s"])
+        assert 0.5 < p["measured_over_predicted"] < 2.0, (label, p["measured_over_predicted"])
+    assert points["bare:p2p"]["unlimited_s"] is None
+    assert "expected on a link of 1 Gbit/s" in stdout and "QCOMM_CODECS=" in stdout
 
 
 def _wait_for_namespaces(proc: subprocess.Popen[str], deadline: float) -> list[str]:

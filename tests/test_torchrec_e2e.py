@@ -463,14 +463,21 @@ def test_dlrm_example_runs(tmp_path):
     # inside a real DLRM, and the outputs it documents are written.
     example = pathlib.Path(__file__).parents[1] / "examples" / "train_dlrm.py"
     args = ["--out", str(tmp_path), "--steps", "3", "--batch-size", "32", "--eval-batches", "1"]
+    args += ["--seeds", "2"]
     done = subprocess.run(
         [sys.executable, str(example), *args], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["runs"]) == {"fp32", "fp16", "bf16", "int8", "fp8", "mx4"}
-    for name, run in results["runs"].items():
-        assert len(run["losses"]) == 3 and all(map(math.isfinite, run["losses"])), name
-        assert math.isfinite(run["held_out_gap"]), name
+    for name, seeds in results["runs"].items():
+        assert len(seeds) == 2, name
+        for run in seeds:
+            assert len(run["losses"]) == 3 and all(map(math.isfinite, run["losses"])), name
+        summary = results["summary"][name]
+        assert math.isfinite(summary["held_out_gap"]), name
+        assert math.isfinite(summary["held_out_gap_ci95"]), name
+        assert summary["significant"] in (True, False), name
+    assert results["summary"]["fp32"]["held_out_gap"] == 0.0
     assert (tmp_path / "loss_curves.png").stat().st_size > 0
-    assert "held-out" in done.stdout
+    assert "held-out" in done.stdout and "95% interval" in done.stdout

@@ -2,26 +2,39 @@ r"""
 The codecs ``qcomm bench`` measures, and what it measures of each on its own:
 encode and decode time, wire size and error.
 
-qcomm's codecs come from the entry points (:func:`~qcomm.load_codec`); where
-fbgemm-gpu is importable, its ``QuantizedCommCodec`` of the same format is
-measured beside each, labelled ``fbgemm:<format>``. fbgemm runs with its own
-defaults (e.g. int8 rows of 32 elements), whatever options the qcomm spec has.
+qcomm's codecs come from the entry points (:func:`~qcomm.load_codec`); by
+default every discovered codec but those of example or test distributions
+(a distribution whose name has a part ``example`` or ``test``, such as
+``qcomm-example-codec``), which run only when named. Where fbgemm-gpu is
+importable, its ``QuantizedCommCodec`` of the same format is measured beside
+each, labelled ``fbgemm:<format>``. fbgemm runs with its own defaults (e.g.
+int8 rows of 32 elements), whatever options the qcomm spec has; its FP8
+codec on CPU is the tensor-wise one, which takes 2-D input only, so it sees
+its data as rows of 32.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
+import statistics
 from typing import Any
 
 import torch
 
 from qcomm.benchmark.metrics import error_stats
-from qcomm.benchmark.timing import time_calls
-from qcomm.registry import available_codecs, load_codec, parse_codec_spec
-from qcomm.types import CodecError, codec_info
+from qcomm.benchmark.timing import time_samples
+from qcomm.registry import codec_entries, load_codec, parse_codec_spec
+from qcomm.types import CodecError, codec_info, read_quantized_dtype
 
-__all__ = ["FBGEMM_FORMATS", "Candidate", "load_candidates", "measure_codec"]
+__all__ = [
+    "FBGEMM_FORMATS",
+    "Candidate",
+    "default_codecs",
+    "load_candidates",
+    "measure_codec",
+]
 
 # qcomm codec name -> fbgemm SparseType member of the same format. fbgemm's
 # FP8 is e4m3 (with its own exponent bias), so it stands beside fp8_e4m3.
@@ -54,6 +67,69 @@ class Candidate:
     error: str | None = None
 
 
+class _RowsOf:
+    # A codec that takes 2-D input only (fbgemm's tensor-wise FP8), shown any
+    # data as rows of `width` elements (one row when the length is not a
+    # multiple), giving 1-D wire and values back.
+
+    def __init__(self, codec: Any, width: int = 32) -> None:
+        self.codec = codec
+        self.width = width
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        flat = t.reshape(-1)
+        return flat.view(-1, self.width) if flat.numel() % self.width == 0 else flat.view(1, -1)
+
+    def encode(self, input_tensor: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        return self.codec.encode(self._rows(input_tensor), ctx).reshape(-1)  # type: ignore[no-any-return]
+
+    def decode(self, input_grad: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        return self.codec.decode(self._rows(input_grad), ctx).reshape(-1)  # type: ignore[no-any-return]
+
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        return read_quantized_dtype(self.codec)  # type: ignore[no-any-return]
+
+    def calc_quantized_size(self, input_len: int, ctx: Any = None) -> int:
+        return int(self.codec.calc_quantized_size(input_len, ctx))
+
+    def create_context(self) -> Any:
+        return self.codec.create_context()
+
+    def padded_size(
+        self, input_tensor: torch.Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: Any
+    ) -> tuple[int, int]:
+        return self.codec.padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx)  # type: ignore[no-any-return]
+
+
+_EXAMPLE_PARTS = {"example", "examples", "test", "tests"}
+
+
+def default_codecs() -> list[str]:
+    r"""
+    default_codecs() -> list[str]
+
+    The codecs a run without ``--codecs`` measures: every discovered one but
+    those whose distribution's name has a part ``example`` or ``test``.
+
+    Returns:
+        list[str]: codec names, sorted.
+
+    Examples::
+
+        >>> "example_fp16_scaled" in default_codecs(), "int8" in default_codecs()
+        (False, True)
+    """
+    chosen = []
+    for name, entries in codec_entries().items():
+        parts = {
+            part for entry in entries for part in re.split(r"[-_.]", entry.distribution.lower())
+        }
+        if not parts & _EXAMPLE_PARTS:
+            chosen.append(name)
+    return sorted(chosen)
+
+
 def _with_noop_first(specs: list[str]) -> list[str]:
     rest = [s for s in specs if parse_codec_spec(s) != ("noop", {})]
     return ["noop", *rest]
@@ -74,9 +150,9 @@ def load_candidates(specs: list[str] | None, fbgemm: bool) -> tuple[list[Candida
     so that the report shows it as failed.
 
     Args:
-        specs (list[str] | None): codec specs; ``None`` means every discovered
-            codec. ``noop`` is put first (added if missing): it is the
-            baseline of every speed-up.
+        specs (list[str] | None): codec specs; ``None`` means
+            :func:`default_codecs`. ``noop`` is put first (added if missing):
+            it is the baseline of every speed-up.
         fbgemm (bool): also build fbgemm's codec of each format that has one
             (see :data:`FBGEMM_FORMATS`).
 
@@ -91,7 +167,7 @@ def load_candidates(specs: list[str] | None, fbgemm: bool) -> tuple[list[Candida
         >>> [(c.label, c.source, c.error) for c in candidates]
         [('noop', 'qcomm', None)]
     """
-    chosen = _with_noop_first(available_codecs() if specs is None else list(specs))
+    chosen = _with_noop_first(default_codecs() if specs is None else list(specs))
     candidates = []
     for spec in chosen:
         try:
@@ -114,7 +190,8 @@ def load_candidates(specs: list[str] | None, fbgemm: bool) -> tuple[list[Candida
     for fmt in formats:
         label = f"fbgemm:{fmt.lower()}"
         try:
-            candidates.append(Candidate(label, "fbgemm", factory(sparse_type[fmt])))
+            codec = factory(sparse_type[fmt])
+            candidates.append(Candidate(label, "fbgemm", _RowsOf(codec) if fmt == "FP8" else codec))
         except Exception as err:
             candidates.append(Candidate(label, "fbgemm", None, f"{type(err).__name__}: {err}"))
     return candidates, None
@@ -138,7 +215,9 @@ def measure_codec(codec: Any, x: torch.Tensor, *, budget: float, max_calls: int)
 
     Returns:
         dict[str, Any]: ``encode_s`` and ``decode_s`` (median seconds per
-        call), ``wire_dtype``, ``wire_elements``, ``wire_bytes``,
+        call) with every call's time (``encode_samples_s``,
+        ``decode_samples_s``, at least 15 samples each, see
+        :func:`~qcomm.benchmark.timing.time_samples`), ``wire_dtype``, ``wire_elements``, ``wire_bytes``,
         ``calc_quantized_size``, ``declared_bits_per_element``, and
         ``max_rel_error``, ``rms_rel_error``, ``sqnr_db``
         (see :func:`~qcomm.benchmark.metrics.error_stats`).
@@ -169,18 +248,28 @@ def measure_codec(codec: Any, x: torch.Tensor, *, budget: float, max_calls: int)
     if decoded.numel() != n:
         raise CodecError(f"decode returned {decoded.numel()} elements for {n} inputs")
     stats = error_stats(reference, decoded)
-    encode_s = time_calls(
+    # At least 15 samples each: their median is steady, and their spread
+    # says how far to trust it.
+    encode = time_samples(
         lambda: codec.encode(x, codec.create_context()),
         x.device,
         budget=budget,
-        max_calls=max_calls,
+        min_calls=15,
+        max_calls=max(15, max_calls),
     )
-    decode_s = time_calls(
-        lambda: codec.decode(wire, ctx), x.device, budget=budget, max_calls=max_calls
+    decode = time_samples(
+        lambda: codec.decode(wire, ctx),
+        x.device,
+        budget=budget,
+        min_calls=15,
+        max_calls=max(15, max_calls),
     )
+    encode_s, decode_s = statistics.median(encode), statistics.median(decode)
     return {
         "encode_s": encode_s,
         "decode_s": decode_s,
+        "encode_samples_s": encode,
+        "decode_samples_s": decode,
         "wire_dtype": str(wire.dtype).removeprefix("torch."),
         "wire_elements": wire.numel(),
         "wire_bytes": wire.numel() * wire.element_size(),

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +52,10 @@ EXIT_CODEC_FAILED = 3
 
 _CONFIG_ENV = "QCOMM_BENCH_CONFIG"
 _HEARTBEAT_ENV = "QCOMM_BENCH_HEARTBEAT"
+# Where rank 0 asks the local launcher to lift or restore the emulated
+# link's rate limit (a file it writes), and the launcher answers (one it
+# removes once done).
+_LINK_ENV = "QCOMM_BENCH_LINK_CONTROL"
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 
 
@@ -82,6 +87,8 @@ class Session:
     """
 
     def __init__(self, config: BenchConfig, local: bool) -> None:
+        #: spawned by spawn_local (the link is loopback or emulated), not a launcher
+        self.local = local
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         if not local and torch.cuda.is_available():
@@ -93,6 +100,7 @@ class Session:
             self.device = torch.device("cpu")
         self._timeout = datetime.timedelta(seconds=config.timeout)
         self._heartbeat = os.environ.get(_HEARTBEAT_ENV)
+        self._link_control = os.environ.get(_LINK_ENV)
         long_timeout = 3 * self._timeout
         dist.init_process_group(
             self.backend, rank=self.rank, world_size=self.world_size, timeout=long_timeout
@@ -141,6 +149,42 @@ class Session:
         """
         if self._heartbeat:
             pathlib.Path(self._heartbeat).write_text(step)
+
+    @property
+    def link_control(self) -> bool:
+        r"""
+        link_control() -> bool
+
+        Whether this run's link is emulated and :meth:`set_shaping` works.
+        """
+        return self._link_control is not None
+
+    def set_shaping(self, on: bool) -> None:
+        r"""
+        set_shaping(on: bool) -> None
+
+        Lifts (``on=False``) or restores the emulated link's rate limit;
+        every rank must call it. Rank 0 asks the launcher and waits for it.
+
+        Args:
+            on (bool): whether the link is shaped to its rate.
+
+        Raises:
+            RuntimeError: if the launcher does not answer within the timeout.
+        """
+        if self._link_control is None:
+            raise RuntimeError("set_shaping: this run has no emulated link")
+        if self.rank == 0:
+            request = pathlib.Path(self._link_control)
+            ready = request.with_suffix(".new")
+            ready.write_text("on" if on else "off")
+            os.replace(ready, request)  # the launcher never reads half a request
+            deadline = time.monotonic() + self._timeout.total_seconds()
+            while request.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the launcher did not change the link's shaping")
+                time.sleep(0.05)
+        self.gather(None)
 
     def close(self) -> None:
         r"""
@@ -270,8 +314,10 @@ def _spawn(config: BenchConfig, poll_s: float, link: Link | None) -> int:
             "LOCAL_WORLD_SIZE": str(world_size),
             "OMP_NUM_THREADS": threads,
         }
+        control = workdir / "link-request"
         if link is not None:
             base_env["GLOO_SOCKET_IFNAME"] = link.interface
+            base_env[_LINK_ENV] = str(control)
         procs: list[subprocess.Popen[bytes]] = []
         logs = [workdir / f"rank{r}.log" for r in range(world_size)]
         beats = [workdir / f"rank{r}.step" for r in range(world_size)]
@@ -293,7 +339,7 @@ def _spawn(config: BenchConfig, poll_s: float, link: Link | None) -> int:
                             stderr=None if rank == 0 else log,
                         )
                     )
-            problem = _watch(procs, beats, stuck_after, poll_s)
+            problem = _watch(procs, beats, stuck_after, poll_s, _link_requests(link, control))
         except KeyboardInterrupt:
             _stop(procs)
             print("qcomm bench: interrupted", file=sys.stderr)
@@ -310,15 +356,28 @@ def _spawn(config: BenchConfig, poll_s: float, link: Link | None) -> int:
         return 1 if EXIT_CODEC_FAILED in codes else 0
 
 
+def _link_requests(link: Link | None, control: pathlib.Path) -> Callable[[], None]:
+    # Carries out rank 0's requests to lift or restore the rate limit.
+    def serve() -> None:
+        if link is None or not control.exists():
+            return
+        link.set_shaping(control.read_text().strip() == "on")
+        control.unlink()
+
+    return serve
+
+
 def _watch(
     procs: list[subprocess.Popen[bytes]],
     beats: list[pathlib.Path],
     stuck_after: float,
     poll_s: float,
+    serve: Callable[[], None] = lambda: None,
 ) -> tuple[int, str] | None:
     # Heartbeat files are compared by age, on the wall clock their mtime uses.
     wall_start = time.time()
     while True:
+        serve()
         codes = [proc.poll() for proc in procs]
         for rank, code in enumerate(codes):
             if code not in (None, 0, EXIT_CODEC_FAILED):

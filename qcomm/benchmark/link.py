@@ -223,14 +223,41 @@ class Link:
         """
         return ["ip", "netns", "exec", self.namespace(rank), *argv]
 
-    def _shape(self, namespace: str, device: str) -> None:
+    def _shaped(self) -> list[tuple[str, str]]:
+        # Every (namespace, device) whose egress is shaped.
+        ranks = [(self.namespace(r), _INTERFACE) for r in range(self.world_size)]
+        if self.world_size == 2:
+            return ranks
+        switch = f"{self._tag}-switch"
+        return ranks + [(switch, f"port{r}") for r in range(self.world_size)]
+
+    def set_shaping(self, on: bool) -> None:
+        r"""
+        set_shaping(on: bool) -> None
+
+        Lifts the rate limit (``on=False``: the devices then run as fast as
+        the CPUs move the data) or puts it back.
+
+        Args:
+            on (bool): whether the link is shaped to its rate.
+
+        Raises:
+            LinkError: if ``tc`` fails.
+        """
+        for namespace, device in self._shaped():
+            if on:
+                self._shape(namespace, device, "replace")
+            else:
+                _run("ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root")
+
+    def _shape(self, namespace: str, device: str, verb: str = "add") -> None:
         rate = tc_rate(self.bits_per_second)
         # The bucket holds about a millisecond of traffic (at least 128 KiB):
         # enough for the kernel's timer to keep the rate, too little to
         # change a transfer's duration.
         burst = max(128 * 1024, int(self.bits_per_second / 8 / 1000))
         _run(
-            "ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device,
+            "ip", "netns", "exec", namespace, "tc", "qdisc", verb, "dev", device,
             "root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms",
         )  # fmt: skip
 

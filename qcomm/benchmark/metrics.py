@@ -15,6 +15,9 @@ import torch
 
 __all__ = [
     "GB",
+    "TCP_EFFICIENCY",
+    "collective_break_even",
+    "predicted_time",
     "ErrorStats",
     "algorithm_bandwidth",
     "break_even_bandwidth",
@@ -157,6 +160,104 @@ def break_even_bandwidth(
         return 0.0
     per_byte = (encode_seconds + decode_seconds) / logical_bytes
     return math.inf if per_byte == 0 else saved / per_byte
+
+
+#: the share of a link's rate that one TCP stream's payload gets (headers,
+#: acknowledgements), used where the link's throughput was not measured
+TCP_EFFICIENCY = 0.95
+
+
+def predicted_time(link_bytes: float, rate: float, cpu_seconds: float) -> float:
+    r"""
+    predicted_time(link_bytes: float, rate: float, cpu_seconds: float) -> float
+
+    The time of a collective call on a link of ``rate`` bytes per second, from
+    the bytes it puts on each rank's port and its time where the link is not
+    the limit.
+
+    The call needs :math:`L = b / R` of link time and :math:`P` of its own
+    work (encoding, decoding, copies, the network stack). The pipeline
+    overlaps them, but not perfectly: when they are of the same size they
+    get in each other's way. Measured over codecs and links from 1 to 10
+    Gbit/s (see ``qcomm bench --link``), the time follows
+
+    .. math::
+
+        T(R) = \sqrt{L^2 + P^2}
+
+    which tends to the larger of the two when one dominates, and is
+    :math:`\sqrt{2}` times either when they are equal.
+
+    Args:
+        link_bytes (float): :math:`b`, wire bytes through each rank's port
+            (the busiest), divided by the link's efficiency.
+        rate (float): :math:`R`, the link's rate in bytes per second; ``inf``
+            for no link limit.
+        cpu_seconds (float): :math:`P`, the call's time when the link is not
+            the limit (measured on loopback, or on the emulated link with its
+            rate limit lifted).
+
+    Returns:
+        float: seconds.
+
+    Raises:
+        ValueError: if ``rate`` is not positive or a figure is negative.
+
+    Examples::
+
+        >>> predicted_time(3e6, 1e9, 0.004)  # 3 ms of link, 4 ms of work
+        0.005
+    """
+    if not rate > 0:
+        raise ValueError(f"rate must be positive, got {rate!r}")
+    if link_bytes < 0 or cpu_seconds < 0:
+        raise ValueError(
+            f"link_bytes and cpu_seconds must be non-negative, got {link_bytes!r}, {cpu_seconds!r}"
+        )
+    return math.hypot(link_bytes / rate, cpu_seconds)
+
+
+def collective_break_even(
+    base_bytes: float, base_seconds: float, codec_bytes: float, codec_seconds: float
+) -> float:
+    r"""
+    collective_break_even(base_bytes: float, base_seconds: float, codec_bytes: float, codec_seconds: float) -> float
+
+    The link rate below which a codec makes a collective faster than the
+    no-op codec, by :func:`predicted_time`.
+
+    With :math:`b_0, P_0` the no-op call's link bytes and time without a link
+    limit and :math:`b_c, P_c` the codec's, the codec is faster where
+    :math:`(b_0^2 - b_c^2) / R^2 > P_c^2 - P_0^2`, that is below
+
+    .. math::
+
+        R^{*} = \sqrt{\frac{b_0^2 - b_c^2}{P_c^2 - P_0^2}}
+
+    Args:
+        base_bytes (float): :math:`b_0`.
+        base_seconds (float): :math:`P_0`.
+        codec_bytes (float): :math:`b_c`.
+        codec_seconds (float): :math:`P_c`.
+
+    Returns:
+        float: :math:`R^{*}` in bytes per second; ``inf`` when the codec is
+        faster at every rate, ``0`` when it saves no bytes.
+
+    Examples::
+
+        >>> round(collective_break_even(4e6, 0.003, 1e6, 0.005) / 1e9, 4)  # sqrt(15e12 / 16e-6)
+        0.9682
+        >>> collective_break_even(4e6, 0.005, 1e6, 0.003)
+        inf
+    """
+    saved = base_bytes**2 - codec_bytes**2
+    cost = codec_seconds**2 - base_seconds**2
+    if saved <= 0:
+        return 0.0
+    if cost <= 0:
+        return math.inf
+    return math.sqrt(saved / cost)
 
 
 def sqnr_db(signal_energy: float, noise_energy: float) -> float:

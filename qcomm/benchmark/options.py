@@ -255,6 +255,9 @@ class BenchConfig:
         rounds (int): timed rounds of every series at every size; the series
             take turns within a round, so that a slow spell of the machine
             falls on all of them.
+        command (list[str] | None): the command line that started the run.
+        link_gbps (float | None): the rate of the user's own link in Gbit/s
+            (``--link-gbps``), which the advice is for.
     """
 
     codecs: list[str] | None = None
@@ -275,6 +278,8 @@ class BenchConfig:
     backward: bool = False
     chunk_bytes: int | None = None
     rounds: int = 5
+    command: list[str] | None = None
+    link_gbps: float | None = None
 
     def to_json(self) -> str:
         r"""

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from qcomm.benchmark.advice import advise, expected_speedups, registry_string
 from qcomm.benchmark.codecs import FBGEMM_FORMATS
 from qcomm.benchmark.options import OP_TITLES, format_size
 
@@ -21,18 +22,30 @@ __all__ = ["UNITS", "format_report", "jsonable", "write_plot", "write_report"]
 UNITS = {
     "size_bytes": "each rank's float32 buffer (nccl-tests' S), bytes",
     "latency_s": "median over blocks of the slowest rank's seconds per call",
-    "algbw_gbps": "size_bytes / latency_s, in 1e9 bytes/s",
-    "busbw_gbps": "algbw_gbps * (n - 1) / n, as nccl-tests for all-to-all and reduce-scatter",
+    "algbw_GBps": "size_bytes / latency_s, in 1e9 bytes/s",
+    "busbw_GBps": "algbw_GBps * (n - 1) / n, as nccl-tests for all-to-all and reduce-scatter",
     "speedup": "latency of the baseline (the row named by 'baseline') / latency_s",
-    "encode_gbps": "float32 bytes encoded per second, 1e9 bytes/s",
-    "decode_gbps": "float32 bytes decoded per second, 1e9 bytes/s",
+    "encode_GBps": "float32 bytes encoded per second, 1e9 bytes/s",
+    "decode_GBps": "float32 bytes decoded per second, 1e9 bytes/s",
     "*_roofline_fraction": "throughput / memory-copy throughput of the same float32 tensor",
     "wire_bytes_per_element": "bytes encode puts on the wire per float32 element",
     "compression_ratio": "4 / wire_bytes_per_element",
     "max_rel_error": "max |decoded - x| / max |x| (collectives: against the exact output)",
     "rms_rel_error": "sqrt(sum (decoded - x)^2 / sum x^2)",
     "sqnr_db": "10 log10(sum x^2 / sum (decoded - x)^2); null when exact (infinite)",
-    "break_even_gbps": "(1 - wire/logical) / ((encode_s + decode_s) / logical bytes), 1e9 bytes/s",
+    "break_even_GBps": "codec alone, no overlap: (1 - wire/logical) / ((encode_s + decode_s) / "
+    "logical bytes), 1e9 bytes/s",
+    "spread": "interquartile range over median of the repetitions (codecs: the larger of "
+    "encode's and decode's; collectives: of the rounds)",
+    "unlimited_s": "seconds per call with no link limit: loopback, or the emulated link with "
+    "its rate limit lifted",
+    "link_bytes": "wire bytes through a rank's port per call, over the link's measured "
+    "efficiency (TCP_EFFICIENCY without a measured link)",
+    "predicted_s": "sqrt((link_bytes / rate)^2 + unlimited_s^2), at the emulated link's rate",
+    "measured_over_predicted": "latency_s / predicted_s",
+    "break_even_gbit_per_s": "link rate (Gbit/s) below which the codec beats qcomm's noop by "
+    "the model; null when pays_at_every_rate",
+    "pays_at_every_rate": "the codec beats qcomm's noop at every link rate, by the model",
     "pass": "'fwd': the collective; 'fwd+bwd': the collective and its backward pass together",
     "latency_min_s, latency_max_s": "fastest and slowest of the timed rounds (samples_s)",
     "samples_s": "seconds per call of each round (the slowest rank's), in the order run",
@@ -41,7 +54,7 @@ UNITS = {
     "x_link_bound": "latency_s / link_bound_s (1.0: the wire's limit)",
     "vs_torchrec": "latency of TorchRec's alltoall_pooled with fbgemm's codec of the same "
     "format / latency_s",
-    "link.*_gbps": "float32 bytes per second the emulated link carried between ranks 0 and 1, "
+    "link.*_GBps": "float32 bytes per second the emulated link carried between ranks 0 and 1, "
     "one way, and each way when both send at once, 1e9 bytes/s",
 }
 
@@ -109,6 +122,7 @@ def _codec_table(results: dict[str, Any]) -> str:
         "rms rel",
         "SQNR dB",
         "break-even GB/s",
+        "spread",
     ]
     rows = []
     for r in results["codecs"]:
@@ -120,14 +134,15 @@ def _codec_table(results: dict[str, Any]) -> str:
                 r["codec"],
                 _num(r["bits_per_element"]),
                 _num(r["compression_ratio"]),
-                _num(r["encode_gbps"]),
+                _num(r["encode_GBps"]),
                 _num(r["encode_roofline_fraction"], 2),
-                _num(r["decode_gbps"]),
+                _num(r["decode_GBps"]),
                 _num(r["decode_roofline_fraction"], 2),
                 _num(r["max_rel_error"], 2),
                 _num(r["rms_rel_error"], 2),
                 _num(r["sqnr_db"]),
-                _num(r["break_even_gbps"]),
+                _num(r["break_even_GBps"]),
+                f"{100 * r.get('spread', 0.0):.0f}%",
             ]
         )
     return _table(header, rows)
@@ -153,7 +168,7 @@ def _collective_tables(results: dict[str, Any], passes: str) -> list[str]:
                     row.append("failed")
                 else:
                     speedup = "-" if p["speedup"] is None else f"{p['speedup']:.2f}"
-                    row.append(f"{_num(p['busbw_gbps'])} x{speedup}")
+                    row.append(f"{_num(p['busbw_GBps'])} x{speedup}")
             rows.append(row)
         title = OP_TITLES.get(op, op) + ("" if passes == "fwd" else ", forward+backward")
         header = [title, *[format_size(s) for s in sizes]]
@@ -178,9 +193,11 @@ def _detail_tables(results: dict[str, Any]) -> list[str]:
         return []
     size = max(p["size_bytes"] for p in points)
     linked = any(p.get("link_bound_s") for p in points)
+    modelled = any(p.get("predicted_s") for p in points)
     header = ["series", "pass", "ms", "min-max ms", "speed-up", "ratio"]
     header += ["bound ms", "x bound"] if linked else []
-    header += ["vs TorchRec"]
+    header += ["unlimited ms", "predicted ms", "meas/pred"] if modelled else []
+    header += ["pays below Gbit/s", "vs TorchRec"]
     tables = []
     for op in dict.fromkeys(p["op"] for p in points):
         rows = []
@@ -200,6 +217,15 @@ def _detail_tables(results: dict[str, Any]) -> list[str]:
             ]
             if linked:
                 row += [_ms(p.get("link_bound_s")), _times([p.get("x_link_bound")])]
+            if modelled:
+                row += [
+                    _ms(p.get("unlimited_s")),
+                    _ms(p.get("predicted_s")),
+                    _times([p.get("measured_over_predicted")]),
+                ]
+            row.append(
+                "always" if p.get("pays_at_every_rate") else _gbit(p.get("break_even_gbit_per_s"))
+            )
             row.append("-" if p.get("vs_torchrec") is None else f"x{p['vs_torchrec']:.2f}")
             rows.append(row)
         title = f"{OP_TITLES.get(op, op)}, {format_size(size)} per rank"
@@ -207,14 +233,97 @@ def _detail_tables(results: dict[str, Any]) -> list[str]:
     return tables
 
 
+def _gbit(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "never" if value == 0 else _num(value)
+
+
+ADVICE_RATES = [1.0, 10.0, 100.0]
+
+
+def _advice_rates(results: dict[str, Any]) -> list[float]:
+    # The user's link, else the emulated one, else three typical ones.
+    meta = results["meta"]
+    if meta.get("link_gbps"):
+        return [float(meta["link_gbps"])]
+    link = results.get("link")
+    if link and link.get("rate_bps"):
+        return [link["rate_bps"] / 1e9]
+    return list(ADVICE_RATES)
+
+
+def _advice(results: dict[str, Any]) -> list[str]:
+    rates = _advice_rates(results)
+    speedups = expected_speedups(results, rates)
+    if not speedups:
+        return []
+    real = results["meta"].get("local") is False
+    where = "on this cluster's link" if real else "expected on a link of"
+    lines = ["Advice (qcomm's codecs; from this run's figures, see docs/bench.rst):"]
+    for rate in rates:
+        advice = advise(results, rate)
+        if not advice:
+            continue
+        head = f"  {where}" if real else f"  {where} {rate:g} Gbit/s each way"
+        lines.append(head + ":")
+        for a in advice:
+            lines.append(
+                f"    {OP_TITLES.get(a.op, a.op)}: {a.pair}, x{a.speedup:.2f} forward and "
+                f"backward (forward x{a.forward_speedup:.2f}); forward error max "
+                f"{_num(a.max_rel_error, 2)}, RMS {_num(a.rms_rel_error, 2)} of the data's scale"
+            )
+        spec = registry_string(advice)
+        lines.append(f"    QCOMM_CODECS='{spec}'  or  qcomm.build_registry(\"{spec}\")")
+        if real:
+            break
+    op = next(iter(speedups))
+    header = ["codec", *[f"{r:g} Gbit/s" for r in rates]]
+    table = [[label, *[f"x{v:.2f}" for v in values]] for label, values in speedups[op].items()]
+    lines += [
+        f"  Expected speed-up over noop, {OP_TITLES.get(op, op)} (the plot has every rate):",
+        "  " + _table(header, table).replace("\n", "\n  "),
+    ]
+    return lines
+
+
+def _warnings(results: dict[str, Any]) -> list[str]:
+    meta = results["meta"]
+    out = []
+    load, cores = meta.get("load_before"), meta.get("cpu_count") or 1
+    if load and load[0] > 0.5 * cores:
+        out.append(
+            f"Warning: the machine was busy before the run (load {load[0]:.2f} on {cores} "
+            f"cores): timings are slower and noisier than on an idle one."
+        )
+    wide = [r["codec"] for r in results["codecs"] if r.get("spread", 0.0) > SPREAD_WARNING]
+    wide += [
+        f"{p['label']} {OP_TITLES.get(p['op'], p['op'])} {format_size(p['size_bytes'])}"
+        for p in results["collectives"]
+        if p["status"] == "ok" and p.get("spread", 0.0) > SPREAD_WARNING
+    ]
+    if wide:
+        shown = ", ".join(wide[:6]) + (f" and {len(wide) - 6} more" if len(wide) > 6 else "")
+        out.append(
+            f"Warning: {len(wide)} figure(s) spread over more than "
+            f"{100 * SPREAD_WARNING:.0f}% between repetitions ({shown}): the machine was "
+            f"busy; rerun, or give --budget and --rounds more time."
+        )
+    return out
+
+
+#: relative spread (interquartile range over median) above which a figure is flagged
+SPREAD_WARNING = 0.2
+
+
 def _link_line(link: dict[str, Any] | None) -> list[str]:
     if not link:
         return []
     rate = link["rate_bps"]
     measured = (
-        f"measured {_num(link.get('one_way_gbps'))} GB/s one way, "
-        f"{_num(link.get('both_ways_gbps'))} GB/s each way with both sending"
-        if link.get("one_way_gbps")
+        f"measured {_num(link.get('one_way_GBps'))} GB/s one way, "
+        f"{_num(link.get('both_ways_GBps'))} GB/s each way with both sending"
+        if link.get("one_way_GBps")
         else f"not measured ({_first_line(link.get('error'))})"
     )
     return [
@@ -245,7 +354,7 @@ def format_report(results: dict[str, Any]) -> str:
         *_link_line(results.get("link")),
         "",
         f"Codecs on {format_size(roof['bytes'])} of float32 per rank "
-        f"(memory copy: {_num(roof['copy_gbps'])} GB/s; 'x copy' = fraction of it; "
+        f"(memory copy: {_num(roof['copy_GBps'])} GB/s; 'x copy' = fraction of it; "
         f"errors relative to max|x|):",
         _codec_table(results),
     ]
@@ -253,6 +362,9 @@ def format_report(results: dict[str, Any]) -> str:
         lines += ["", table]
     for table in _detail_tables(results):
         lines += ["", table]
+    advice = _advice(results)
+    if advice:
+        lines += ["", *advice]
     load = (meta.get("load_before"), meta.get("load_after"))
     lines += [
         "",
@@ -261,6 +373,9 @@ def format_report(results: dict[str, Any]) -> str:
         "times are the median round, with the fastest and slowest; "
         "'ratio' is the codec's compression ratio, the speed-up the wire alone would give; "
         "'x bound' is the time over the link's bound for that many wire bytes; "
+        "'unlimited' is the time with no link limit (loopback, or the emulated link with its "
+        "rate limit lifted), 'predicted' the model's time at the link's rate (see docs/bench.rst), "
+        "'pays below' the link rate under which the codec beats noop by the model; "
         "'vs TorchRec' is TorchRec's time with fbgemm's codec of the format over qcomm's.",
         "noop's encode and decode return their input: their throughput is the cost of a call.",
     ]
@@ -269,6 +384,7 @@ def format_report(results: dict[str, Any]) -> str:
             f"Machine load (1-minute average) {load[0][0]:.2f} before, {load[1][0]:.2f} after, "
             f"on {meta.get('cpu_count')} cores."
         )
+    lines += _warnings(results)
     failures = [(r["codec"], r["error"]) for r in results["codecs"] if r["status"] != "ok"]
     # One line per collective and reason, listing the sizes it failed at.
     failed_sizes: dict[tuple[str, str], list[str]] = {}
@@ -315,14 +431,106 @@ def _label_offsets(points: list[tuple[float, float]]) -> list[int]:
     return offsets
 
 
+def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> dict[str, Any]:
+    # Expected speed-up against link rate (the model), measured points where
+    # the run had an emulated link, the user's link marked.
+    import numpy as np
+    from matplotlib.ticker import FuncFormatter
+
+    rates = list(np.logspace(np.log10(0.1), np.log10(400.0), 80))
+    curves = expected_speedups(results, rates)
+    handles: dict[str, Any] = {}
+    if not curves:
+        ax.text(0.5, 0.5, "no model figures in this run", ha="center", transform=ax.transAxes)
+        return handles
+    op = next(iter(curves))
+    for label, values in curves[op].items():
+        (handles[label],) = ax.plot(
+            rates, values, color=color[_family(label)], label=label, linewidth=1.8
+        )
+    link = results.get("link")
+    size = max(p["size_bytes"] for p in results["collectives"])
+    if link and link.get("rate_bps"):
+        measured = [
+            p
+            for p in results["collectives"]
+            if p["op"] == op
+            and p["impl"] == "qcomm"
+            and p["pass"] == "fwd"
+            and p["size_bytes"] == size
+            and p.get("speedup")
+        ]
+        for p in measured:
+            ax.scatter(
+                [link["rate_bps"] / 1e9], [p["speedup"]], color=color[_family(p["label"])], s=40
+            )
+    for rate in _advice_rates(results):
+        ax.axvline(rate, color="grey", linestyle=":", linewidth=1)
+    user = results["meta"].get("link_gbps") or (
+        link["rate_bps"] / 1e9 if link and link.get("rate_bps") else None
+    )
+    if user:
+        ax.axvline(user, color="black", linestyle="--", linewidth=1.2)
+        ax.annotate(
+            f"your link: {user:g} Gbit/s", (user, 1.0), textcoords="offset points",
+            xytext=(4, 6), fontsize=8,
+        )  # fmt: skip
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_xlabel("link rate, Gbit/s each way (log)")
+    ax.set_ylabel("expected speed-up over no codec")
+    dots = " (dots: measured on the emulated link)" if link else ""
+    ax.set_title(
+        f"{OP_TITLES.get(op, op)}, {format_size(size)} per rank: "
+        f"which codec pays on which link{dots}",
+        fontsize=10,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    return handles
+
+
+def _error_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> None:
+    shown = [
+        r for r in results["codecs"] if r["status"] == "ok" and r.get("rms_rel_error")
+    ]  # an exact codec has no place on a log scale
+    xy = [(r["bits_per_element"], r["rms_rel_error"]) for r in shown]
+    for r, (x, y), stacked in zip(shown, xy, _label_offsets(xy)):
+        fbgemm = r["source"] == "fbgemm"
+        ax.scatter(
+            x, y, marker="x" if fbgemm else "o", s=60, color=color[_family(r["codec"])], zorder=3
+        )
+        ax.annotate(
+            r["codec"],
+            (x, y),
+            textcoords="offset points",
+            xytext=(10, 6 - 12 * stacked),
+            fontsize=8,
+        )
+    ax.set_yscale("log")
+    if xy:  # room for the labels around the lowest and highest points
+        ax.set_ylim(min(y for _, y in xy) / 3, max(y for _, y in xy) * 2)
+    ax.set_xlim(left=0, right=max([x for x, _ in xy], default=32) + 6)
+    ax.set_xlabel("wire bits per element (measured, scales included)")
+    ax.set_ylabel("RMS relative error against float32")
+    ax.set_title("what it costs: error against size on the wire (o qcomm, x fbgemm)", fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+
+
 def write_plot(results: dict[str, Any], path: str) -> None:
     r"""
     write_plot(results: dict[str, Any], path: str) -> None
 
-    Draws bus bandwidth against message size for each collective (one line
-    per codec, TorchRec's dashed, a format's rows in one colour) and RMS error
-    against wire bits per element (qcomm's codecs as dots, fbgemm's as
-    crosses), as a PNG.
+    Draws, as a PNG: the expected speed-up of each codec against the link's
+    rate (0.1 to 400 Gbit/s, the model's curves, measured points where the
+    run had an emulated link, the user's link marked); RMS error against
+    wire bits per element; and bus bandwidth against message size for each
+    collective (one line per codec, TorchRec's dashed, the bare calls
+    dotted, a format's rows in one colour).
 
     Args:
         results (dict[str, Any]): the run's figures.
@@ -347,19 +555,20 @@ def write_plot(results: dict[str, Any], path: str) -> None:
         plt.get_cmap("Dark2")(i) for i in range(8)
     ]
     color = {name: palette[i % len(palette)] for i, name in enumerate(families)}
-    panels = len(ops) + 1
-    cols = 2 if panels > 1 else 1
+    panels = 2 + len(ops)
+    cols = 2
     rows = math.ceil(panels / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.8 * rows + 1.2), squeeze=False)
     flat = list(axes.flat)
+    handles = _speedup_panel(flat[0], results, color)
+    _error_panel(flat[1], results, color)
     sizes = sorted({p["size_bytes"] for p in results["collectives"]})
     meta = results["meta"]
     plain = FuncFormatter(lambda value, _: f"{value:g}")
-    handles: dict[str, Any] = {}
-    for ax, op in zip(flat, ops):
+    for ax, op in zip(flat[2:], ops):
         for label in labels:
             line = sorted(
-                (p["size_bytes"], p["busbw_gbps"])
+                (p["size_bytes"], p["busbw_GBps"])
                 for p in points
                 if p["op"] == op and p["label"] == label
             )
@@ -387,38 +596,14 @@ def write_plot(results: dict[str, Any], path: str) -> None:
         ax.yaxis.set_minor_formatter(plt.NullFormatter())
         ax.set_xlabel("message size per rank (float32 bytes)")
         ax.set_ylabel("bus bandwidth, GB/s of float32")
-        ax.set_title(f"{OP_TITLES.get(op, op)}, {meta['world_size']} ranks, {meta['backend']}")
+        where = f"{results['link']['spec']} link" if results.get("link") else meta["backend"]
+        ax.set_title(f"{OP_TITLES.get(op, op)}, {meta['world_size']} ranks, {where}", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
-    ax = flat[len(ops)]
-    shown = [
-        r for r in results["codecs"] if r["status"] == "ok" and r.get("rms_rel_error")
-    ]  # an exact codec has no place on a log scale
-    xy = [(r["bits_per_element"], r["rms_rel_error"]) for r in shown]
-    for r, (x, y), stacked in zip(shown, xy, _label_offsets(xy)):
-        fbgemm = r["source"] == "fbgemm"
-        ax.scatter(
-            x, y, marker="x" if fbgemm else "o", s=60, color=color[_family(r["codec"])], zorder=3
-        )
-        ax.annotate(
-            r["codec"],
-            (x, y),
-            textcoords="offset points",
-            xytext=(10, 6 - 12 * stacked),
-            fontsize=8,
-        )
-    ax.set_yscale("log")
-    if xy:  # room for the labels around the lowest and highest points
-        ax.set_ylim(min(y for _, y in xy) / 3, max(y for _, y in xy) * 2)
-    ax.set_xlim(left=0, right=max([x for x, _ in xy], default=32) + 6)
-    ax.set_xlabel("wire bits per element (measured, scales included)")
-    ax.set_ylabel("RMS relative error against float32")
-    ax.set_title("error against size on the wire (o qcomm, x fbgemm; exact codecs left out)")
-    ax.grid(True, which="major", alpha=0.3)
     for extra in flat[panels:]:
         extra.set_visible(False)
     fig.suptitle(
-        f"qcomm bench, {meta['started']}: bus bandwidth per codec (solid: qcomm, "
-        "dashed: TorchRec alltoall_pooled) and error per codec"
+        f"qcomm bench, {meta['started']}: which codec on which link, what it costs, "
+        "and what each collective moved in this run"
     )
     fig.legend(
         list(handles.values()),

@@ -16,6 +16,7 @@ codec comes first, as the baseline of the speed-ups.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 import statistics
@@ -43,13 +44,16 @@ from qcomm.benchmark.launch import EXIT_CODEC_FAILED, Session
 from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.metrics import (
     GB,
+    TCP_EFFICIENCY,
     algorithm_bandwidth,
     break_even_bandwidth,
     bus_bandwidth,
+    collective_break_even,
     error_stats,
+    predicted_time,
 )
 from qcomm.benchmark.options import OP_TITLES, BenchConfig, format_size
-from qcomm.benchmark.timing import calls_for_budget, synchronize, time_calls
+from qcomm.benchmark.timing import calls_for_budget, relative_spread, synchronize, time_calls
 from qcomm.types import CommOp, QuantizedCommCodecs, codec_info
 
 __all__ = ["run_rank"]
@@ -161,8 +165,8 @@ def _codec_row(
         "compression_ratio": logical / wire,
         "encode_s": encode_s,
         "decode_s": decode_s,
-        "encode_gbps": logical / encode_s / GB,
-        "decode_gbps": logical / decode_s / GB,
+        "encode_GBps": logical / encode_s / GB,
+        "decode_GBps": logical / decode_s / GB,
         # The copy moves the same float32 bytes, so the time ratio is the
         # throughput ratio.
         "encode_roofline_fraction": copy_s / encode_s if copy_s else None,
@@ -170,7 +174,14 @@ def _codec_row(
         "max_rel_error": max(f["max_rel_error"] for f in figures),
         "rms_rel_error": max(f["rms_rel_error"] for f in figures),
         "sqnr_db": min(f["sqnr_db"] for f in figures),
-        "break_even_gbps": break_even_bandwidth(wire, logical, encode_s, decode_s) / GB,
+        "encode_samples_s": [f["encode_samples_s"] for f in figures],
+        "decode_samples_s": [f["decode_samples_s"] for f in figures],
+        "spread": max(
+            relative_spread(f[key])
+            for f in figures
+            for key in ("encode_samples_s", "decode_samples_s")
+        ),
+        "break_even_GBps": break_even_bandwidth(wire, logical, encode_s, decode_s) / GB,
     }
 
 
@@ -289,8 +300,9 @@ def _finish_row(entry: _Entry, world_size: int) -> dict[str, Any]:
         latency_min_s=min(entry.samples),
         latency_max_s=max(entry.samples),
         samples_s=list(entry.samples),
-        algbw_gbps=algbw / GB,
-        busbw_gbps=bus_bandwidth(algbw, world_size) / GB,
+        spread=relative_spread(entry.samples),
+        algbw_GBps=algbw / GB,
+        busbw_GBps=bus_bandwidth(algbw, world_size) / GB,
     )
     return row
 
@@ -324,7 +336,7 @@ def _measure_codecs(
     roofline = {
         "bytes": 4 * n,
         "copy_s": copy_s,
-        "copy_gbps": 4 * n / copy_s / GB if copy_s else None,
+        "copy_GBps": 4 * n / copy_s / GB if copy_s else None,
         "error": problem,
     }
     progress.done()
@@ -347,7 +359,11 @@ def _measure_codecs(
 
 
 def _measure_collectives(
-    config: BenchConfig, session: Session, series: dict[CommOp, list[Series]], progress: _Progress
+    config: BenchConfig,
+    session: Session,
+    series: dict[CommOp, list[Series]],
+    progress: _Progress,
+    note: str = "",
 ) -> list[dict[str, Any]]:
     passes = ["fwd", "fwd+bwd"] if config.backward else ["fwd"]
     points = []
@@ -357,7 +373,7 @@ def _measure_collectives(
             case = make_case(
                 op, base, rank=session.rank, world_size=session.world_size, device=session.device
             )
-            title = f"{OP_TITLES[op.value]} {format_size(case.size_bytes)}"
+            title = f"{OP_TITLES[op.value]} {format_size(case.size_bytes)}{note}"
             entries = [
                 _Entry(
                     line,
@@ -399,6 +415,25 @@ def _measure_collectives(
     return points
 
 
+def _unlimited(
+    config: BenchConfig, session: Session, series: dict[CommOp, list[Series]], progress: _Progress
+) -> dict[tuple[str, int, str, str], float]:
+    # qcomm's series again with the emulated link's rate limit lifted: each
+    # call's time when the link is not the limit, which the model of
+    # predicted_time needs, measured on the same devices and network stack.
+    ours = {op: [line for line in lines if line.impl == "qcomm"] for op, lines in series.items()}
+    session.set_shaping(False)
+    try:
+        points = _measure_collectives(config, session, ours, progress, ", rate limit lifted")
+    finally:
+        session.set_shaping(True)
+    return {
+        (p["op"], p["size_bytes"], p["pass"], p["label"]): p["latency_s"]
+        for p in points
+        if p["status"] == "ok"
+    }
+
+
 def _torchrec_label(label: str) -> str | None:
     # The TorchRec row of the same format as qcomm's codec `label`.
     if label == "noop":
@@ -413,35 +448,72 @@ def _add_comparisons(
     codec_rows: list[dict[str, Any]],
     link: dict[str, Any] | None,
     world_size: int,
+    unlimited: dict[tuple[str, int, str, str], float] | None,
 ) -> None:
     # What each point is worth against the link's bound (the float32 bytes
-    # that cross each rank's port, shrunk by the codec's ratio) and against
-    # TorchRec's all-to-all with fbgemm's codec of the same format.
+    # that cross each rank's port, shrunk by the codec's ratio), against
+    # TorchRec's all-to-all with fbgemm's codec of the same format, and the
+    # model's figures (predicted_time): the bytes each call puts on a port,
+    # its time without a link limit, and with an emulated link the time the
+    # model predicts there.
     ratios = {r["codec"]: r.get("compression_ratio") for r in codec_rows if r["status"] == "ok"}
     ratios.update({"none": 1.0, "noop": 1.0})
     rate = link["rate_bps"] if link else None
+    measured = link.get("both_ways_GBps") if link else None
+    efficiency = measured * 1e9 * 8 / rate if rate and measured else TCP_EFFICIENCY
     latency = {
         (p["op"], p["size_bytes"], p["pass"], p["label"]): p.get("latency_s")
         for p in points
         if p["status"] == "ok"
     }
     for p in points:
+        key = (p["op"], p["size_bytes"], p["pass"], p["label"])
         ratio = 1.0 if p["impl"] == "bare" else ratios.get(p["codec"])
         p["compression_ratio"] = ratio
-        p["link_bound_s"] = None
-        p["x_link_bound"] = None
-        if rate and ratio and world_size > 1:
+        p.update(link_bound_s=None, x_link_bound=None, link_bytes=None, unlimited_s=None)
+        p.update(predicted_s=None, measured_over_predicted=None)
+        if ratio and world_size > 1:
             # The backward pass sends as much again, the other way round.
             transfers = 2 if p["pass"] == "fwd+bwd" else 1
             crossing = transfers * p["size_bytes"] * (world_size - 1) / world_size
-            p["link_bound_s"] = crossing * 8 / rate / ratio
-            if p["status"] == "ok":
-                p["x_link_bound"] = p["latency_s"] / p["link_bound_s"]
+            p["link_bytes"] = crossing / ratio / efficiency
+            if rate:
+                p["link_bound_s"] = crossing * 8 / rate / ratio
+                if p["status"] == "ok":
+                    p["x_link_bound"] = p["latency_s"] / p["link_bound_s"]
+        if p["impl"] == "qcomm" and p["status"] == "ok":
+            p["unlimited_s"] = unlimited.get(key) if unlimited is not None else p["latency_s"]
+            if rate and p["unlimited_s"] and p["link_bytes"] is not None:
+                p["predicted_s"] = predicted_time(p["link_bytes"], rate / 8, p["unlimited_s"])
+                p["measured_over_predicted"] = p["latency_s"] / p["predicted_s"]
         p["vs_torchrec"] = None
         other = _torchrec_label(p["label"]) if p["impl"] == "qcomm" else None
         theirs = latency.get((p["op"], p["size_bytes"], p["pass"], other)) if other else None
         if theirs and p["status"] == "ok":
             p["vs_torchrec"] = theirs / p["latency_s"]
+    _add_break_evens(points)
+
+
+def _add_break_evens(points: list[dict[str, Any]]) -> None:
+    # The link rate below which each qcomm codec beats qcomm's no-op codec,
+    # by the model, at the same op, size and pass.
+    base = {
+        (p["op"], p["size_bytes"], p["pass"]): p
+        for p in points
+        if p["label"] == "noop" and p.get("unlimited_s") and p.get("link_bytes") is not None
+    }
+    for p in points:
+        p["break_even_gbit_per_s"] = None
+        p["pays_at_every_rate"] = None
+        noop = base.get((p["op"], p["size_bytes"], p["pass"]))
+        if p["impl"] != "qcomm" or noop is None or p is noop or not p.get("unlimited_s"):
+            continue
+        rate = collective_break_even(
+            noop["link_bytes"], noop["unlimited_s"], p["link_bytes"], p["unlimited_s"]
+        )
+        # JSON has no infinity: "faster at every rate" is a flag of its own.
+        p["pays_at_every_rate"] = math.isinf(rate)
+        p["break_even_gbit_per_s"] = None if math.isinf(rate) else rate * 8 / 1e9
 
 
 def _measure_link(config: BenchConfig, session: Session) -> dict[str, Any]:
@@ -491,7 +563,7 @@ def _measure_link(config: BenchConfig, session: Session) -> dict[str, Any]:
         if samples:
             worst = [max(rank_s[i] for rank_s in samples) for i in range(len(samples[0]))]
             result[f"{name}_s"] = statistics.median(worst)
-            result[f"{name}_gbps"] = size / statistics.median(worst) / GB
+            result[f"{name}_GBps"] = size / statistics.median(worst) / GB
     return result
 
 
@@ -523,7 +595,10 @@ def run_rank(config: BenchConfig, session: Session) -> int:
     passes = 2 if config.backward else 1
     entries = sum(passes * len(s) for s in series.values())
     rounds = len(config.sizes) * len(series) * config.rounds
-    total = 1 + len(candidates) + len(config.sizes) * entries + rounds + (1 if config.link else 0)
+    total = 1 + len(candidates) + len(config.sizes) * entries + rounds
+    if session.link_control:  # the link's throughput, then qcomm's series unlimited
+        ours = sum(passes * sum(line.impl == "qcomm" for line in s) for s in series.values())
+        total += 1 + len(config.sizes) * ours + rounds
     progress = _Progress(session.rank == 0, total)
     load_before = _load()
     try:
@@ -534,10 +609,16 @@ def run_rank(config: BenchConfig, session: Session) -> int:
             progress.done()
         roofline, codec_rows = _measure_codecs(config, session, candidates, progress)
         points = _measure_collectives(config, session, series, progress)
+        if session.link_control:
+            unlimited = _unlimited(config, session, series, progress)
+        elif session.local:  # loopback: the measured times have no link limit
+            unlimited = None
+        else:  # a launcher's ranks: their times include the real link
+            unlimited = {}
         session.gather(None)  # everyone is done
     finally:
         progress.close()
-    _add_comparisons(points, codec_rows, link, session.world_size)
+    _add_comparisons(points, codec_rows, link, session.world_size, unlimited)
     if session.rank != 0:
         return 0
     meta = _meta(config, session, started, time.perf_counter() - clock)
@@ -557,6 +638,17 @@ def run_rank(config: BenchConfig, session: Session) -> int:
         p["status"] != "ok" and p["impl"] == "qcomm" for p in points
     )
     return EXIT_CODEC_FAILED if failed else 0
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _load() -> list[float] | None:
@@ -601,5 +693,9 @@ def _meta(config: BenchConfig, session: Session, started: float, duration: float
         "link": config.link,
         "backward": config.backward,
         "chunk_bytes": config.chunk_bytes,
+        "local": session.local,
+        "link_gbps": config.link_gbps,
         "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "command": config.command,
     }

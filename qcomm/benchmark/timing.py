@@ -14,7 +14,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["calls_for_budget", "synchronize", "time_calls"]
+__all__ = [
+    "MIN_SAMPLE_S",
+    "calls_for_budget",
+    "relative_spread",
+    "synchronize",
+    "time_calls",
+    "time_samples",
+]
 
 
 def synchronize(device: torch.device) -> None:
@@ -61,6 +68,60 @@ def calls_for_budget(
     return max(min_calls, min(max_calls, int(budget / seconds_per_call)))
 
 
+#: the shortest stretch of back-to-back calls timed as one sample (shorter
+#: calls are timed in groups, so that hiccups of the clock and the scheduler
+#: of a few microseconds do not make up the figure)
+MIN_SAMPLE_S = 2e-3
+
+
+def time_samples(
+    fn: Callable[[], Any],
+    device: torch.device,
+    *,
+    budget: float,
+    min_calls: int = 3,
+    max_calls: int = 1000,
+) -> list[float]:
+    r"""
+    time_samples(fn: Callable[[], Any], device: torch.device, *, budget: float, min_calls: int = 3, max_calls: int = 1000) -> list[float]
+
+    Seconds per call of ``fn``, sample by sample, after a warm-up call, over
+    as many samples as fit ``budget``. A call shorter than
+    :data:`MIN_SAMPLE_S` is repeated back to back within each sample and the
+    sample is their mean.
+
+    Args:
+        fn (Callable[[], Any]): the call measured; must not need collectives
+            (every rank may repeat it a different number of times).
+        device (torch.device): where ``fn`` runs.
+        budget (float): seconds to spend after the warm-up.
+        min_calls (int, optional): samples at least. Default: ``3``.
+        max_calls (int, optional): samples at most. Default: ``1000``.
+
+    Returns:
+        list[float]: seconds per call of each sample, in order.
+
+    Examples::
+
+        >>> import torch
+        >>> len(time_samples(lambda: None, torch.device("cpu"), budget=0.0, min_calls=4))
+        4
+    """
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    warm = time.perf_counter() - start
+    repeat = max(1, math.ceil(MIN_SAMPLE_S / warm)) if warm > 0 else 1000
+    samples = []
+    for _ in range(calls_for_budget(warm * repeat, budget, min_calls, max_calls)):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        synchronize(device)
+        samples.append((time.perf_counter() - start) / repeat)
+    return samples
+
+
 def time_calls(
     fn: Callable[[], Any],
     device: torch.device,
@@ -72,13 +133,12 @@ def time_calls(
     r"""
     time_calls(fn: Callable[[], Any], device: torch.device, *, budget: float, min_calls: int = 3, max_calls: int = 1000) -> float
 
-    Median seconds of one call of ``fn``, after a warm-up call, over as many
-    calls as fit ``budget``. The median keeps a call that another process
-    interrupted from skewing the figure.
+    Median seconds of one call of ``fn`` (see :func:`time_samples`). The
+    median keeps a call that another process interrupted from skewing the
+    figure.
 
     Args:
-        fn (Callable[[], Any]): the call measured; must not need collectives
-            (every rank may repeat it a different number of times).
+        fn (Callable[[], Any]): the call measured.
         device (torch.device): where ``fn`` runs.
         budget (float): seconds to spend after the warm-up.
         min_calls (int, optional): timed calls at least. Default: ``3``.
@@ -93,14 +153,31 @@ def time_calls(
         >>> time_calls(lambda: None, torch.device("cpu"), budget=0.001) >= 0
         True
     """
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    warm = time.perf_counter() - start
-    times = []
-    for _ in range(calls_for_budget(warm, budget, min_calls, max_calls)):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    samples = time_samples(fn, device, budget=budget, min_calls=min_calls, max_calls=max_calls)
+    return statistics.median(samples)
+
+
+def relative_spread(samples: list[float]) -> float:
+    r"""
+    relative_spread(samples: list[float]) -> float
+
+    How much repeated timings of the same thing disagree: the interquartile
+    range over the median (0 for identical samples; 0.2 means the middle
+    half of the samples spans 20% of the median).
+
+    Args:
+        samples (list[float]): at least one timing.
+
+    Returns:
+        float: the relative spread; ``0`` for fewer than 2 samples.
+
+    Examples::
+
+        >>> relative_spread([1.0, 1.0, 1.0]), relative_spread([1.0, 2.0, 3.0])
+        (0.0, 0.5)
+    """
+    if len(samples) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    median = statistics.median(samples)
+    return (q3 - q1) / median if median > 0 else 0.0
