@@ -543,7 +543,7 @@ def _measure_link(config: BenchConfig, session: Session) -> dict[str, Any]:
     def measure(both: bool) -> list[float]:
         transfer(both)
         out = []
-        for _ in range(5):
+        for _ in range(7):
             dist.barrier(group=group)
             start = time.perf_counter()
             transfer(both)
@@ -564,6 +564,8 @@ def _measure_link(config: BenchConfig, session: Session) -> dict[str, Any]:
             worst = [max(rank_s[i] for rank_s in samples) for i in range(len(samples[0]))]
             result[f"{name}_s"] = statistics.median(worst)
             result[f"{name}_GBps"] = size / statistics.median(worst) / GB
+            result[f"{name}_samples_s"] = worst
+            result[f"{name}_spread"] = relative_spread(worst)
     return result
 
 
