@@ -1,31 +1,48 @@
 r"""
 Train a small DLRM on synthetic data on local ranks, with plain float32 comms
-and with each qcomm codec registry, over several seeds, and say what each
-codec costs in held-out loss, with a confidence interval.
+and with qcomm codecs on the embedding collectives or on the dense
+gradients' all-reduce, over several seeds, and say what each codec costs in
+held-out loss, with a confidence interval.
 
 Within a seed every configuration starts from the same weights and sees the
-same batches; only the codecs on TorchRec's embedding collectives differ, so
-the gap of a codec to float32 is measured pair by pair, seed by seed, and the
-seeds give its spread: the table shows the mean gap and its 95% confidence
-interval (Student's t over the seeds), and calls a gap significant when the
-interval leaves out zero. The four tables are sharded table-wise (two),
-row-wise (one; TorchRec's pooled reduce-scatter) and column-wise (one, in
-8-column shards that block codecs must pad), so both pooled collectives carry
-quantized traffic, forward and backward. The synthetic target puts most of
-its signal in the embeddings, so that what a codec does to them shows.
+same batches; only the codecs differ, so the gap of a codec to float32 is
+measured pair by pair, seed by seed, and the seeds give its spread: the table
+shows the mean gap and its 95% confidence interval (Student's t over the
+seeds), and calls a gap significant when the interval leaves out zero. The
+four tables are sharded table-wise (two), row-wise (one; TorchRec's pooled
+reduce-scatter) and column-wise (one, in 8-column shards that block codecs
+must pad), so both pooled collectives carry quantized traffic, forward and
+backward. The synthetic target puts most of its signal in the embeddings, so
+that what a codec does to them shows.
+
+The ``dense-*`` configurations keep the embeddings in float32 and put qcomm's
+DDP communication hook (``qcomm.ddp_comm_hook``) on the dense part, which
+``DistributedModelParallel`` wraps in ``DistributedDataParallel``: its
+gradients are all-reduced with int8 or MX4, with error feedback (``+ef``) or
+without.
 
 Usage::
 
-    python examples/train_dlrm.py                       # all configurations, 5 seeds, into out/
+    python examples/train_dlrm.py                       # fp32 and the registries, 5 seeds, into out/
+    python examples/train_dlrm.py --configs dense       # fp32 and the dense-* ones
+    python examples/train_dlrm.py --configs all         # every configuration
     python examples/train_dlrm.py --out /tmp/run --steps 100 --seeds 3 --configs fp32,int8
     python examples/train_dlrm.py --add "e5m2=pooled_embeddings_all_to_all=fp8_e5m2"
+    python examples/train_dlrm.py --add "all-int8=pooled_embeddings_all_to_all=int8/int8;dense=int8+ef"
+
+``--configs`` takes configuration names and the groups ``embeddings`` (fp32
+and the registries, the default), ``dense`` (fp32 and the dense hooks) and
+``all``; each configuration adds about a minute per 5 seeds on 2 CPU cores,
+the dense ones (a hook call per step) a little more. ``--add`` takes
+a name and a qcomm registry string, ``dense=CODEC`` (``+ef`` for error
+feedback), or both joined by ``;``.
 
 Writes, under ``--out``:
 
 - ``loss_curves.png``: the first seed's smoothed training loss per
   configuration (left) and every configuration's held-out gap to float32 with
   its confidence interval (right).
-- ``results.json``: the arguments, every configuration's registry spec, and
+- ``results.json``: the arguments, every configuration's codecs, and
   per seed the per-step training loss, final training loss (mean of the last
   50 steps), held-out loss and their gaps to float32; per configuration the
   mean gaps, their 95% confidence intervals and wall time.
@@ -52,18 +69,51 @@ import torch.multiprocessing as mp
 
 import qcomm
 
-# Registry specs in qcomm's string form (see qcomm.build_registry). The
-# reduce-scatter takes only summable codecs, so the scaled formats ride the
-# all-to-all and a 16-bit cast carries the reduce-scatter.
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What a configuration changes: the embedding collectives' registry (in
+    qcomm's string form, see qcomm.build_registry) and the codec of the DDP
+    hook on the dense part (a codec spec), with or without error feedback."""
+
+    registry: str | None = None
+    dense: str | None = None
+    error_feedback: bool = False
+
+
+# The reduce-scatter takes only summable codecs, so the scaled formats ride
+# the all-to-all and a 16-bit cast carries the reduce-scatter.
 A2A, RS = "pooled_embeddings_all_to_all", "pooled_embeddings_reduce_scatter"
-CONFIGS: dict[str, str | None] = {
-    "fp32": None,
-    "fp16": f"{A2A}=fp16/fp16,{RS}=fp16/fp16",
-    "bf16": f"{A2A}=bf16/bf16,{RS}=bf16/bf16",
-    "int8": f"{A2A}=int8/int8,{RS}=fp16/fp16",
-    "fp8": f"{A2A}=fp8_e4m3/fp8_e5m2,{RS}=fp16/fp16",
-    "mx4": f"{A2A}=mx4/mx4,{RS}=bf16/bf16",
+CONFIGS: dict[str, Config] = {
+    "fp32": Config(),
+    "fp16": Config(f"{A2A}=fp16/fp16,{RS}=fp16/fp16"),
+    "bf16": Config(f"{A2A}=bf16/bf16,{RS}=bf16/bf16"),
+    "int8": Config(f"{A2A}=int8/int8,{RS}=fp16/fp16"),
+    "fp8": Config(f"{A2A}=fp8_e4m3/fp8_e5m2,{RS}=fp16/fp16"),
+    "mx4": Config(f"{A2A}=mx4/mx4,{RS}=bf16/bf16"),
+    "dense-int8+ef": Config(dense="int8", error_feedback=True),
+    "dense-mx4+ef": Config(dense="mx4", error_feedback=True),
+    "dense-mx4": Config(dense="mx4"),
 }
+GROUPS = {
+    "embeddings": [name for name, c in CONFIGS.items() if c.dense is None],
+    "dense": ["fp32", *(name for name, c in CONFIGS.items() if c.dense is not None)],
+    "all": list(CONFIGS),
+}
+
+
+def parse_config(text: str) -> Config:
+    """A registry string, ``dense=CODEC[+ef]``, or both joined by ``;``."""
+    registry, dense, feedback = None, None, False
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        if part.startswith("dense="):
+            dense = part.removeprefix("dense=").strip()
+            if dense.endswith("+ef"):
+                dense, feedback = dense.removesuffix("+ef").strip(), True
+        else:
+            registry = part
+    return Config(registry, dense or None, feedback)
+
 
 NUM_DENSE = 13
 EMB_DIM = 16
@@ -147,10 +197,11 @@ def make_sharder(registry: dict[str, qcomm.QuantizedCommCodecs] | None, lr: floa
 
 
 def build_model(
-    registry: dict[str, qcomm.QuantizedCommCodecs] | None, args: argparse.Namespace, seed: int
+    config: Config, args: argparse.Namespace, seed: int
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The sharded DLRM with the same initial weights on every call, and the
-    optimizer of its dense part (the tables' optimizer is fused into them)."""
+    """The sharded DLRM with the same initial weights on every call, the
+    configuration's codecs, and the optimizer of its dense part (the tables'
+    optimizer is fused into them)."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
@@ -163,6 +214,7 @@ def build_model(
     from torchrec.models.dlrm import DLRM
 
     world = dist.get_world_size()
+    registry = qcomm.build_registry(config.registry) if config.registry else None
     torch.manual_seed(seed)  # the dense layers' initial weights
     configs = [
         EmbeddingBagConfig(
@@ -195,6 +247,14 @@ def build_model(
         sharders=[sharder],
         device=torch.device("cpu"),
     )
+    if config.dense is not None:
+        # DistributedModelParallel wraps the dense part in DistributedDataParallel:
+        # its gradients' all-reduce takes qcomm's hook.
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = next(m for m in dmp.modules() if isinstance(m, DistributedDataParallel))
+        state, hook = qcomm.ddp_comm_hook(config.dense, error_feedback=config.error_feedback)
+        ddp.register_comm_hook(state, hook)
     # The tables' initial weights, drawn like TorchRec's default init but
     # from the seed, so that every configuration starts from the same point.
     gen = torch.Generator().manual_seed(seed + 1)
@@ -211,12 +271,11 @@ def build_model(
     return dmp, torch.optim.Adam(dense, lr=args.dense_lr)
 
 
-def train(spec: str | None, data: Data, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+def train(config: Config, data: Data, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """One configuration: the loss of every step (mean over ranks) and the
     held-out loss after training."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    registry = qcomm.build_registry(spec) if spec else None
-    model, opt = build_model(registry, args, seed)
+    model, opt = build_model(config, args, seed)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     b = args.batch_size
     losses = []
@@ -240,7 +299,7 @@ def train(spec: str | None, data: Data, args: argparse.Namespace, seed: int) -> 
             held_out += loss_fn(model(dense, kjt).squeeze(1), labels)
     dist.all_reduce(held_out)
     return {
-        "spec": spec,
+        **dataclasses.asdict(config),
         "losses": losses,
         "final_train_loss": sum(losses[-TAIL:]) / len(losses[-TAIL:]),
         "held_out_loss": float(held_out) / (world * args.eval_batches),
@@ -248,9 +307,7 @@ def train(spec: str | None, data: Data, args: argparse.Namespace, seed: int) -> 
     }
 
 
-def _rank_main(
-    rank: int, args: argparse.Namespace, configs: dict[str, str | None], tmp: str
-) -> None:
+def _rank_main(rank: int, args: argparse.Namespace, configs: dict[str, Config], tmp: str) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group(
         "gloo",
@@ -267,8 +324,8 @@ def _rank_main(
             seed = args.seed + 1000 * k
             data = make_data(n, seed)  # the same on every rank and for every configuration
             bayes.append(data.bayes_loss)
-            for name, spec in configs.items():
-                runs[name].append(train(spec, data, args, seed))
+            for name, config in configs.items():
+                runs[name].append(train(config, data, args, seed))
         if rank == 0:
             with open(os.path.join(tmp, "runs.json"), "w") as f:
                 json.dump({"bayes_loss": sum(bayes) / len(bayes), "runs": runs}, f)
@@ -379,15 +436,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--configs",
-        default=",".join(CONFIGS),
-        help=f"comma-separated subset of {', '.join(CONFIGS)}",
+        default="embeddings",
+        help=f"comma-separated subset of {', '.join(CONFIGS)}, or the groups "
+        f"{', '.join(GROUPS)} (default: embeddings)",
     )
     parser.add_argument(
         "--add",
         action="append",
         default=[],
         metavar="NAME=SPEC",
-        help="one more configuration: a name and a qcomm registry string (repeatable)",
+        help="one more configuration: a name and a qcomm registry string, dense=CODEC[+ef] "
+        "for the dense hook, or both joined by ';' (repeatable)",
     )
     args = parser.parse_args(argv)
     if min(args.steps, args.batch_size, args.eval_batches, args.seeds) < 1 or args.world_size < 2:
@@ -395,19 +454,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "--steps, --batch-size, --eval-batches and --seeds must be >= 1, --world-size >= 2"
         )
 
-    configs: dict[str, str | None] = {}
-    for name in filter(None, (c.strip() for c in args.configs.split(","))):
-        if name not in CONFIGS:
-            parser.error(f"--configs: unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
-        configs[name] = CONFIGS[name]
+    configs: dict[str, Config] = {}
+    for item in filter(None, (c.strip() for c in args.configs.split(","))):
+        for name in GROUPS.get(item, [item]):
+            if name not in CONFIGS:
+                known = ", ".join([*CONFIGS, *GROUPS])
+                parser.error(f"--configs: unknown configuration {name!r}; known: {known}")
+            configs[name] = CONFIGS[name]
     for item in args.add:
         name, eq, spec = item.partition("=")
         if not eq or not name or not spec:
             parser.error(f"--add expects NAME=SPEC, got {item!r}")
-        configs[name] = spec
-    for name, spec in configs.items():
+        configs[name] = parse_config(spec)
+    for name, config in configs.items():
         try:  # fail here, before spawning, on a bad spec
-            qcomm.build_registry(spec) if spec else None
+            qcomm.build_registry(config.registry) if config.registry else None
+            qcomm.ddp_comm_hook(config.dense) if config.dense else None
         except qcomm.CodecError as err:
             parser.error(f"configuration {name!r}: {err}")
 
@@ -426,8 +488,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot(results, os.path.join(args.out, "loss_curves.png"))
 
     seeds = args.seeds
+    width = max(8, *(len(name) for name in results["summary"]))
     print(
-        f"{'config':<8} {'train loss':>10} {'gap':>9} {'held-out':>9} {'gap':>9} "
+        f"{'config':<{width}} {'train loss':>10} {'gap':>9} {'held-out':>9} {'gap':>9} "
         f"{'95% interval':>19} {'significant':>11} {'time s':>7}"
     )
     for name, row in results["summary"].items():
@@ -440,7 +503,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lo, hi = row["held_out_gap"] - half, row["held_out_gap"] + half
             ci, sig = f"[{lo:+.4f}, {hi:+.4f}]", f"{'yes' if row['significant'] else 'no':>11}"
         print(
-            f"{name:<8} {row['final_train_loss']:>10.4f} {tg} {row['held_out_loss']:>9.4f} {hg} "
+            f"{name:<{width}} {row['final_train_loss']:>10.4f} {tg} {row['held_out_loss']:>9.4f} {hg} "
             f"{ci:>19} {sig} {row['seconds']:>7.1f}"
         )
     print(

@@ -3,11 +3,13 @@ qcomm: quantized collective communication for PyTorch embeddings.
 
 Codecs are plugins found through the ``qcomm.codecs`` entry points; a registry
 of codec pairs keyed by :class:`~qcomm.CommOp` plugs into TorchRec sharders;
-the three embedding collectives run with a codec on each pass.
+the three embedding collectives run with a codec on each pass, and a DDP
+communication hook all-reduces dense gradients with the same codecs.
 """
 
 from qcomm.awaitable import Awaitable, NoWait
 from qcomm.collectives import all_to_all_pooled, all_to_all_sequence, reduce_scatter_pooled
+from qcomm.ddp import DDPCommHookState, ddp_comm_hook
 from qcomm.registry import (
     CodecEntry,
     available_codecs,
@@ -34,6 +36,7 @@ __all__ = [
     "CodecError",
     "CodecInfo",
     "CommOp",
+    "DDPCommHookState",
     "NoOpQuantizedCommCodec",
     "NoWait",
     "QuantizedCommCodec",
@@ -44,6 +47,7 @@ __all__ = [
     "build_registry",
     "codec_entries",
     "codec_info",
+    "ddp_comm_hook",
     "load_codec",
     "parse_codec_spec",
     "reduce_scatter_pooled",

@@ -25,7 +25,8 @@ class Awaitable(abc.ABC, Generic[W]):
     Subclasses implement ``_wait_impl``. :meth:`wait` runs it once, passes the
     result through every function in :attr:`callbacks` in order, and returns
     (and remembers) what the last one returned, so calling :meth:`wait` again
-    is free and gives the same object.
+    is free and gives the same object; if the call or a callback raised,
+    every later :meth:`wait` raises the same exception.
 
     Examples::
 
@@ -39,6 +40,7 @@ class Awaitable(abc.ABC, Generic[W]):
         #: functions applied in order to the result by :meth:`wait`
         self.callbacks: list[Callable[[W], W]] = []
         self._result: object = _NOT_READY
+        self._failed: Exception | None = None
 
     @abc.abstractmethod
     def _wait_impl(self) -> W: ...
@@ -51,11 +53,23 @@ class Awaitable(abc.ABC, Generic[W]):
 
         Returns:
             W: the result.
+
+        Raises:
+            Exception: whatever the call or a callback raised, again on every
+                later call.
         """
+        if self._failed is not None:
+            raise self._failed
         if self._result is _NOT_READY:
-            result = self._wait_impl()
-            for callback in self.callbacks:
-                result = callback(result)
+            try:
+                result = self._wait_impl()
+                for callback in self.callbacks:
+                    result = callback(result)
+            except Exception as err:
+                # The call cannot be waited for twice: every later wait()
+                # raises the same error.
+                self._failed = err
+                raise
             self._result = result
         return self._result  # type: ignore[return-value]
 

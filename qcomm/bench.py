@@ -11,6 +11,7 @@ launcher's ranks, and NCCL when CUDA is there::
     qcomm bench --quick --json out.json --plot out.png
     qcomm bench --codecs 'int8:row_dim=64,fp16' --sizes 64K,1M --ops pooled
     qcomm bench --link 1gbit --sizes 64M --codecs fp16,int8,mx4 --backward
+    qcomm bench --link 1gbit --sizes 64M --codecs int8 --ops all_reduce
     torchrun --nproc-per-node 8 -m qcomm.cli bench
 
 The machinery lives in :mod:`qcomm.benchmark`.
@@ -30,6 +31,8 @@ from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.options import (
     QUICK_SIZES,
     BenchConfig,
+    format_size,
+    parse_number,
     parse_ops,
     parse_size,
     parse_sizes,
@@ -65,14 +68,12 @@ def _one_spec(text: str) -> list[str]:
     return [text.strip()]
 
 
-def _positive(kind: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+def _number(option: str, kind: type[float] | type[int], low: float, high: float) -> Any:
     def convert(text: str) -> Any:
-        value = kind(text)
-        if not value > 0:
-            raise ValueError(f"{name}: expected a positive number, got {text!r}")
-        return value
+        return parse_number(text, option, kind, low, high)
 
-    return convert
+    convert.__name__ = kind.__name__
+    return _as_argument(convert)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,11 +129,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=_as_argument(parse_ops),
         metavar="OPS",
         help="collectives: pooled (a2a), reduce_scatter (rs), sequence (seq), or CommOp "
-        "names. Default: all three",
+        "names; and all_reduce (ar), the DDP hook's all-reduce beside PyTorch's hooks. "
+        "Default: the three embedding collectives",
     )
     parser.add_argument(
         "--world-size",
-        type=_as_argument(_positive(int, "--world-size")),
+        type=_number("--world-size", int, 1, 1024),
         metavar="N",
         help="local ranks to spawn without a launcher (at least 2). Default: 2",
     )
@@ -159,21 +161,26 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--budget",
-        type=_as_argument(_positive(float, "--budget")),
+        type=_number("--budget", float, 1e-4, 3600),
         metavar="SECONDS",
         help="timed seconds per measurement; more repetitions, steadier figures. "
         "Default: 0.25 (--quick: 0.02)",
     )
     parser.add_argument(
         "--timeout",
-        type=_as_argument(_positive(float, "--timeout")),
+        type=_number("--timeout", float, 0.1, 86400),
         default=120.0,
         metavar="SECONDS",
         help="seconds a collective may wait for its peers; past it the measurement counts "
         "as failed, and a rank silent for twice as long plus a minute ends the run. "
         "Default: 120",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the inputs. Default: 0")
+    parser.add_argument(
+        "--seed",
+        type=_number("--seed", int, 0, 2**32 - 1),
+        default=0,
+        help="seed of the inputs, 0 to 2**32-1. Default: 0",
+    )
     parser.add_argument(
         "--link",
         type=_as_argument(_link_rate),
@@ -185,7 +192,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--link-gbps",
-        type=_as_argument(_positive(float, "--link-gbps")),
+        type=_number("--link-gbps", float, 1e-3, 1e6),
         metavar="N",
         help="your cluster's link rate in Gbit/s (each direction, per rank): the report "
         "recommends a codec pair for it, with its expected speed-up and error. "
@@ -198,7 +205,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rounds",
-        type=_as_argument(_positive(int, "--rounds")),
+        type=_number("--rounds", int, 1, 1000),
         metavar="N",
         help="timed rounds per collective and size; the series take turns within each "
         "round, and the median round is reported with the spread. Default: 5 (--quick: 3)",
@@ -228,8 +235,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     Raises:
         ValueError: if a codec named by ``--codecs`` cannot be built, if
             ``--world-size`` is below 2 without a launcher, or contradicts the
-            launcher's ``WORLD_SIZE``; if ``--plot`` is given without
-            matplotlib; if an output's folder does not exist.
+            launcher's ``WORLD_SIZE``; if a size of ``--sizes`` or
+            ``--codec-size`` cannot fit in this machine's memory on its local
+            ranks; if ``--plot`` is given without matplotlib; if ``--json`` or
+            ``--plot`` is a folder, or a file that cannot be written.
     """
     quick: dict[str, Any] = dict(_QUICK) if args.quick else {}
     config = BenchConfig(quick=args.quick, fbgemm=args.fbgemm, timeout=args.timeout, seed=args.seed)
@@ -277,14 +286,57 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                 f"got {args.world_size}"
             )
         config.world_size = args.world_size
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
+    _check_memory(config, local_ranks)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot: matplotlib is not installed (pip install matplotlib)")
+    # Checked now, not when the figures are written after the whole run.
     for option, path in (("--json", args.json), ("--plot", args.plot)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise ValueError(f"{option}: the folder of {path!r} does not exist")
+        if path:
+            _check_output(option, path)
+    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
+        raise ValueError(f"--plot: the same file as --json ({args.json!r}); give two names")
     config.json_path = os.path.abspath(args.json) if args.json else None
     config.plot_path = os.path.abspath(args.plot) if args.plot else None
     return config
+
+
+# A rank holds at least the shared input, its own input, the expected output
+# and a gradient of every message size (and more for each series measured);
+# measuring a codec, its input, a copy, the wire and the decoded tensor.
+_TENSORS_PER_SIZE = 4
+
+
+def _check_memory(config: BenchConfig, local_ranks: int) -> None:
+    """Refuses sizes that this machine cannot hold on its local ranks, before any starts."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    for option, size in (("--sizes", max(config.sizes)), ("--codec-size", config.codec_bytes)):
+        need = size * _TENSORS_PER_SIZE * local_ranks
+        if need > memory:
+            raise ValueError(
+                f"{option}: {format_size(size)} per rank needs at least {need / 2**30:.1f} GiB "
+                f"of memory ({_TENSORS_PER_SIZE} tensors of that size on each of {local_ranks} "
+                f"local ranks), and this machine has {memory / 2**30:.1f} GiB"
+            )
+
+
+def _check_output(option: str, path: str) -> None:
+    """Refuses an output path that cannot be written; leaves nothing behind."""
+    if os.path.isdir(path):
+        raise ValueError(f"{option}: {path!r} is a folder; give a file name in it")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"{option}: the folder of {path!r} does not exist")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{option}: cannot write {path!r}: {err.strerror or err}") from None
+    if not existed:
+        os.remove(path)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -3,15 +3,21 @@ The ``qcomm`` console script: ``list``, ``check`` and ``bench``.
 
 ``qcomm list`` reads package metadata only; ``--details`` imports each codec
 to show what it declares. ``qcomm check SPEC`` runs the conformance kit
-(:mod:`qcomm.testing`); ``qcomm bench`` measures codecs and collectives
+(:mod:`qcomm.testing`) in a worker process, each rule with a deadline
+(``--timeout``), so that a codec that hangs or crashes fails the check rather
+than stopping it; ``qcomm bench`` measures codecs and collectives
 (:mod:`qcomm.bench`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
 import sys
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
 
 from qcomm.registry import codec_entries, load_codec
 from qcomm.types import CodecError, CodecInfo, codec_info
@@ -59,19 +65,88 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace) -> int:
+# Seconds a fresh check process may take to import torch and qcomm.
+_STARTUP_S = 120.0
+_DEFAULT_TIMEOUT_S = 60.0
+
+
+def _check_worker(conn: Connection) -> None:
+    """Runs the kit on each spec it receives, saying which step it is at."""
     from qcomm.testing import check_codec
 
-    status = 0
-    for spec in args.specs:
+    conn.send(("ready", ""))
+    for spec in iter(conn.recv, None):
+        conn.send(("step", "loading the codec"))
         try:
-            report = check_codec(load_codec(spec))
-        except (CodecError, AssertionError) as err:
-            print(f"FAIL {spec}: {err}")
-            status = 1
+            codec = load_codec(spec)
+            report = check_codec(codec, progress=lambda rule: conn.send(("step", f"rule {rule!r}")))
+        except Exception as err:
+            text = str(err) if isinstance(err, CodecError) else f"{type(err).__name__}: {err}"
+            conn.send(("fail", text))
         else:
-            print(f"ok   {spec}: {report.summary}")
+            conn.send(("ok", report.summary))
+
+
+def _start_worker() -> tuple[Any, Connection]:
+    context = multiprocessing.get_context("spawn")
+    conn, child = context.Pipe()
+    process = context.Process(target=_check_worker, args=(child,), daemon=True)
+    process.start()
+    child.close()
+    return process, conn
+
+
+def _check_one(process: Any, conn: Connection, spec: str, timeout: float) -> tuple[str, str]:
+    """("ok" or "fail", text) from the worker; ("dead", why) if it hangs or ends first."""
+    step, limit = "starting the check process", _STARTUP_S
+    try:
+        conn.send(spec)
+    except OSError:
+        return "dead", f"the check process ended (exit code {process.exitcode})"
+    while conn.poll(limit):
+        try:
+            kind, text = conn.recv()
+        except EOFError:
+            process.join(5)
+            return "dead", f"the check ended (exit code {process.exitcode}) during {step}"
+        if kind not in ("ready", "step"):
+            return kind, text
+        step, limit = text or step, timeout
+    return "dead", f"{step} did not finish within {limit:g} s (--timeout); the codec hangs"
+
+
+def _check(args: argparse.Namespace) -> int:
+    # The kit runs in a worker process: a codec call that never returns cannot
+    # be interrupted in-thread, but a process can be killed, and a crash in a
+    # codec's native code ends only the worker.
+    status = 0
+    worker = None
+    try:
+        for spec in args.specs:
+            worker = worker or _start_worker()
+            kind, text = _check_one(*worker, spec, args.timeout)
+            if kind == "dead":
+                worker[0].kill()
+                worker[0].join()
+                worker = None
+            print(f"{'ok  ' if kind == 'ok' else 'FAIL'} {spec}: {text}", flush=True)
+            status |= kind != "ok"
+    finally:
+        if worker is not None:
+            with contextlib.suppress(OSError):
+                worker[1].send(None)
+            worker[0].join(5)
+            worker[0].kill()
     return status
+
+
+def _timeout(text: str) -> float:
+    from qcomm.benchmark.options import parse_number
+
+    try:
+        return float(parse_number(text, "--timeout", float, 0.1, 86400))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -101,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_check = sub.add_parser("check", help="run the conformance kit on codec specs")
     p_check.add_argument(
         "specs", nargs="+", metavar="SPEC", help="codec spec, e.g. int8:row_dim=64"
+    )
+    p_check.add_argument(
+        "--timeout",
+        type=_timeout,
+        default=_DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds each rule (and loading the codec) may take before the codec counts "
+        f"as hung and the check fails, naming the rule. Default: {_DEFAULT_TIMEOUT_S:g}",
     )
     p_check.set_defaults(func=_check)
 

@@ -11,7 +11,12 @@ as ``int``, ``float``, ``bool`` (``true``/``false``) or left as strings. A
 both directions (as two separate instances).
 
 The environment variable ``QCOMM_PLUGINS``, a comma-separated list of
-distribution names, restricts which distributions may provide codecs at all.
+distribution names, restricts which distributions may provide codecs at all;
+a name in it that registers no codec is an error, not an empty list.
+
+One scan of the package metadata, made afresh on every call, is the only
+source of truth: what :func:`codec_entries` lists is what :func:`load_codec`
+loads, also after a plugin was installed or upgraded in the running process.
 """
 
 from __future__ import annotations
@@ -20,13 +25,23 @@ import dataclasses
 import importlib.metadata
 import inspect
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from stevedore import NamedExtensionManager
 from stevedore.extension import Extension
 
-from qcomm.types import CodecError, CommOp, QuantizedCommCodec, QuantizedCommCodecs, codec_info
+from qcomm.types import (
+    CodecError,
+    CommOp,
+    NoOpQuantizedCommCodec,
+    QuantizedCommCodec,
+    QuantizedCommCodecs,
+    codec_info,
+    read_quantized_dtype,
+)
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -36,6 +51,7 @@ __all__ = [
     "codec_entries",
     "load_codec",
     "parse_codec_spec",
+    "split_codec_specs",
 ]
 
 ENTRY_POINT_GROUP = "qcomm.codecs"
@@ -74,11 +90,23 @@ def _raise_load_failure(
     raise CodecError(f"failed to import: {type(err).__name__}: {err}") from err
 
 
-def _allowed_distributions() -> set[str] | None:
+def _allowed_distributions(found: dict[str, list[CodecEntry]]) -> set[str] | None:
     raw = os.environ.get(_PLUGINS_ENV, "").strip()
     if not raw:
         return None
-    return {_normalize(d) for d in raw.split(",") if d.strip()}
+    allowed = {_normalize(d) for d in raw.split(",") if d.strip()}
+    known = {_normalize(e.distribution): e.distribution for es in found.values() for e in es}
+    # A typo would otherwise hide every codec of the distribution meant.
+    unknown = sorted(allowed - set(known))
+    if unknown or not allowed:
+        what = (
+            f"{', '.join(unknown)} registers no qcomm codec" if unknown else "names no distribution"
+        )
+        raise CodecError(
+            f"{_PLUGINS_ENV}={raw!r}: {what}; distributions that register codecs: "
+            f"{', '.join(sorted(known.values())) or 'none'}"
+        )
+    return allowed
 
 
 def _normalize(dist_name: str) -> str:
@@ -116,13 +144,21 @@ def codec_entries() -> dict[str, list[CodecEntry]]:
 
     Returns:
         dict[str, list[CodecEntry]]: entries by codec name, names sorted.
+
+    Raises:
+        CodecError: if ``QCOMM_PLUGINS`` names a distribution that registers
+            no codec (the message lists those that do).
     """
-    allowed = _allowed_distributions()
-    found = {
+    return _allowed_entries(_all_entries())
+
+
+def _allowed_entries(found: dict[str, list[CodecEntry]]) -> dict[str, list[CodecEntry]]:
+    allowed = _allowed_distributions(found)
+    kept = {
         name: [e for e in entries if allowed is None or _normalize(e.distribution) in allowed]
-        for name, entries in _all_entries().items()
+        for name, entries in found.items()
     }
-    return {name: entries for name, entries in sorted(found.items()) if entries}
+    return {name: entries for name, entries in sorted(kept.items()) if entries}
 
 
 def available_codecs() -> list[str]:
@@ -169,7 +205,8 @@ def parse_codec_spec(spec: str) -> tuple[str, dict[str, Any]]:
         tuple[str, dict[str, Any]]: the name and the parsed options.
 
     Raises:
-        CodecError: if ``spec`` is empty or an option is not ``key=value``.
+        CodecError: if ``spec`` is not a non-empty string, an option is not
+            ``key=value``, or an option is given twice.
 
     Examples::
 
@@ -178,7 +215,8 @@ def parse_codec_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """
     if not isinstance(spec, str) or not spec.strip():
         raise CodecError(
-            f"codec spec must be a non-empty string like 'int8:row_dim=64', got {spec!r}"
+            f"spec: expected a codec spec string like 'int8:row_dim=64', "
+            f"got {type(spec).__name__} {spec!r}"
         )
     name, _, rest = spec.strip().partition(":")
     name = name.strip()
@@ -187,10 +225,73 @@ def parse_codec_spec(spec: str) -> tuple[str, dict[str, Any]]:
     options: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, value = item.partition("=")
-        if not eq or not key.strip():
+        key = key.strip()
+        if not eq or not key:
             raise CodecError(f"option {item!r} in codec spec {spec!r} is not of the form key=value")
-        options[key.strip()] = _parse_value(value.strip())
+        # Last-one-wins would let a pasted spec silently override itself.
+        if key in options:
+            raise CodecError(f"option {key!r} is given twice in codec spec {spec!r}")
+        options[key] = _parse_value(value.strip())
     return name, options
+
+
+def split_codec_specs(text: str) -> list[str]:
+    r"""
+    split_codec_specs(text: str) -> list[str]
+
+    Splits a list of codec specs (or ``forward/backward`` pairs, or
+    ``<op>=<pair>`` items), whose options also use commas; the one reading
+    shared by ``qcomm bench --codecs``, :func:`build_registry`'s string form
+    and ``QCOMM_CODECS``.
+
+    ``;`` always separates. Within a ``;``-part, a comma-separated item of the
+    form ``key=value`` (an ``=`` with no ``:`` or ``/`` before it, and ``key``
+    not a :class:`~qcomm.CommOp`) is one more option of the spec before it; any
+    other item starts a new spec. Codec names hold no ``=`` and option names
+    no ``:``, so this reading is the only one possible.
+
+    Args:
+        text (str): e.g. ``"int8:row_dim=64,stochastic=true,fp16"``.
+
+    Returns:
+        list[str]: one spec per item, e.g.
+        ``["int8:row_dim=64,stochastic=true", "fp16"]``.
+
+    Raises:
+        CodecError: if the list starts with a bare option.
+
+    Examples::
+
+        >>> split_codec_specs("int8:row_dim=64,stochastic=true,fp16;mx4")
+        ['int8:row_dim=64,stochastic=true', 'fp16', 'mx4']
+        >>> split_codec_specs("pooled_embeddings_all_to_all=int8:row_dim=64/fp16,sequence_embeddings_all_to_all=fp16")
+        ['pooled_embeddings_all_to_all=int8:row_dim=64/fp16', 'sequence_embeddings_all_to_all=fp16']
+    """
+    specs: list[str] = []
+    for part in text.split(";"):
+        current: list[str] = []
+        for item in (p.strip() for p in part.split(",")):
+            if not item:
+                continue
+            if _is_option(item):
+                if not current:
+                    raise CodecError(
+                        f"option {item!r} in {text!r} comes before any codec name; "
+                        f"expected e.g. 'int8:row_dim=64,fp16'"
+                    )
+                current.append(item)
+                continue
+            if current:
+                specs.append(",".join(current))
+            current = [item]
+        if current:
+            specs.append(",".join(current))
+    return specs
+
+
+def _is_option(item: str) -> bool:
+    head, eq, _ = item.partition("=")
+    return bool(eq) and not set(":/") & set(head) and head.strip().upper() not in CommOp.__members__
 
 
 def _accepted_options(factory: Any) -> tuple[list[str], bool]:
@@ -207,11 +308,55 @@ def _accepted_options(factory: Any) -> tuple[list[str], bool]:
     return names, takes_any
 
 
+class _EntryPointLoader(NamedExtensionManager[Any]):
+    """stevedore's loader, handed the entry point of the one metadata scan."""
+
+    def __init__(self, entry_point: importlib.metadata.EntryPoint) -> None:
+        # stevedore's own scan is cached in-process and on disk, and would
+        # hand out an old entry point after an upgrade: never consult it.
+        self._entry_point = entry_point
+        super().__init__(
+            ENTRY_POINT_GROUP,
+            names=[entry_point.name],
+            on_load_failure_callback=_raise_load_failure,
+            on_missing_entrypoints_callback=None,
+            conflict_resolver=_refuse_conflicts,
+        )
+
+    def list_entry_points(self) -> list[importlib.metadata.EntryPoint]:
+        return [self._entry_point]
+
+
+# Top-level package of a plugin -> (that package's module object, "distribution
+# version" it was loaded from).
+_LOADED: dict[str, tuple[Any, str]] = {}
+
+
+def _refuse_stale_package(entry: CodecEntry, where: str) -> str:
+    """The plugin's top-level package; raises if this process holds another version of it."""
+    # The whole package, not the one module: a new int8 module next to the
+    # old package's shared helpers would be a mix of two versions.
+    package = entry.value.partition(":")[0].strip().partition(".")[0]
+    seen = _LOADED.get(package)
+    release = f"{entry.distribution} {entry.version}"
+    if seen is not None and sys.modules.get(package) is seen[0] and seen[1] != release:
+        raise CodecError(
+            f"{where}: this process imported {package} from {seen[1]} before it was replaced "
+            f"by {release}; a package cannot be swapped safely in a running process, so "
+            f"restart the process to use {release}"
+        )
+    return package
+
+
 def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
     r"""
     load_codec(spec: str, **options: Any) -> QuantizedCommCodec
 
     Builds a codec from its spec, importing only the plugin that provides it.
+
+    The plugin is found by the same fresh scan of package metadata that
+    :func:`codec_entries` lists, so a plugin installed or upgraded while the
+    process runs is loaded as listed.
 
     Args:
         spec (str): ``name`` or ``name:key=value,...``.
@@ -222,10 +367,13 @@ def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
         QuantizedCommCodec: a new codec instance.
 
     Raises:
-        CodecError: the name is unknown (the available ones are listed), two
-            distributions register it, an option is not accepted (the accepted
-            ones are listed), or the plugin fails to import or construct (its
-            distribution and the cause are named).
+        CodecError: ``spec`` is not a spec string, the name is unknown (the
+            available ones are listed), two allowed distributions register it,
+            an option is not accepted (the accepted ones are listed) or given
+            twice in ``spec``, the plugin fails to import or construct (its
+            distribution and the cause are named), what it builds breaks the
+            codec contract, or its distribution was upgraded after this
+            process imported the old version.
 
     Examples::
 
@@ -234,32 +382,30 @@ def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
     """
     name, spec_options = parse_codec_spec(spec)
     spec_options.update(options)
-    allowed = codec_entries()
-    entries = _all_entries().get(name, [])
+    found = _all_entries()
+    allowed = _allowed_entries(found)
     if name not in allowed:
         known = ", ".join(allowed) or "none"
-        hidden = f" ({_PLUGINS_ENV} leaves out {entries[0].distribution})" if entries else ""
+        left_out = found.get(name)
+        hidden = f" ({_PLUGINS_ENV} leaves out {left_out[0].distribution})" if left_out else ""
         raise CodecError(f"unknown codec {name!r}{hidden}; available codecs: {known}")
+    entries = allowed[name]
     if len(entries) > 1:
         dists = ", ".join(f"{e.distribution} {e.version} ({e.value})" for e in entries)
         raise CodecError(f"codec {name!r} is registered by several distributions: {dists}")
     entry = entries[0]
     where = f"codec {name!r} ({entry.value}, distribution {entry.distribution} {entry.version})"
-    # Drop stevedore's in-process list so that it sees what importlib sees now.
-    NamedExtensionManager.ENTRY_POINT_CACHE.pop(ENTRY_POINT_GROUP, None)
+    package = _refuse_stale_package(entry, where)
+    entry_point = importlib.metadata.EntryPoint(
+        name=entry.name, value=entry.value, group=ENTRY_POINT_GROUP
+    )
     try:
-        manager: NamedExtensionManager[Any] = NamedExtensionManager(
-            ENTRY_POINT_GROUP,
-            names=[name],
-            on_load_failure_callback=_raise_load_failure,
-            on_missing_entrypoints_callback=None,
-            conflict_resolver=_refuse_conflicts,
-        )
-        factory = manager[name].plugin
+        factory = _EntryPointLoader(entry_point)[name].plugin
     except CodecError as err:
         raise CodecError(f"{where} {err}") from err.__cause__
-    except KeyError as err:
-        raise CodecError(f"{where} was not found by stevedore's entry-point scan") from err
+    loaded = sys.modules.get(package)
+    if package not in _LOADED or _LOADED[package][0] is not loaded:
+        _LOADED[package] = (loaded, f"{entry.distribution} {entry.version}")
 
     accepted, takes_any = _accepted_options(factory)
     unknown = sorted(set(spec_options) - set(accepted))
@@ -274,11 +420,9 @@ def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
         raise CodecError(
             f"{where} could not be built with options {spec_options}: {type(err).__name__}: {err}"
         ) from err
-    if not isinstance(codec, QuantizedCommCodec):
-        missing = [m for m in _CONTRACT if not hasattr(codec, m)]
-        raise CodecError(
-            f"{where} returned {type(codec).__name__}, which lacks codec member(s) {', '.join(missing)}"
-        )
+    problem = _contract_problem(codec)
+    if problem:
+        raise CodecError(f"{where} returned {problem}")
     return codec
 
 
@@ -292,8 +436,39 @@ _CONTRACT = (
 )
 
 
+def _contract_problem(value: Any) -> str | None:
+    """How ``value`` breaks the codec contract, or ``None`` if it follows it."""
+    kind = type(value).__name__
+    if value is None:
+        return "None"
+    if isinstance(value, type):
+        return (
+            f"the class {value.__name__}, not a codec object (build one, e.g. {value.__name__}())"
+        )
+    try:
+        missing = [m for m in _CONTRACT if not hasattr(value, m)]
+        if missing:
+            return f"{kind}, which lacks codec member(s) {', '.join(missing)}"
+        methods = [m for m in _CONTRACT if m != "quantized_dtype"]
+        not_callable = [m for m in methods if not callable(getattr(value, m))]
+        dtype = read_quantized_dtype(value)
+    except Exception as err:
+        return f"{kind}, whose codec members raise when read: {type(err).__name__}: {err}"
+    if not_callable:
+        return f"{kind}, whose {', '.join(not_callable)} are not methods"
+    if not isinstance(dtype, torch.dtype):
+        return f"{kind}, whose quantized_dtype is {dtype!r}, not a torch.dtype"
+    return None
+
+
 def _load_pair(value: Any, where: str) -> QuantizedCommCodecs:
     if isinstance(value, QuantizedCommCodecs):
+        # It holds codec objects; specs belong in a "forward/backward" string.
+        for side in ("forward", "backward"):
+            codec = getattr(value, side)
+            problem = f"str {codec!r}" if isinstance(codec, str) else _contract_problem(codec)
+            if problem:
+                raise CodecError(f"{where}.{side}: expected a codec object, got {problem}")
         return value
     if isinstance(value, str):
         parts = value.split("/")
@@ -301,55 +476,64 @@ def _load_pair(value: Any, where: str) -> QuantizedCommCodecs:
             raise CodecError(f"{where}: expected 'forward/backward', got {value!r}")
         forward = parts[0]
         backward = parts[1] if len(parts) == 2 else parts[0]
-        return QuantizedCommCodecs(forward=_load_one(forward), backward=_load_one(backward))
+        return QuantizedCommCodecs(
+            forward=_load_one(forward, f"{where}.forward"),
+            backward=_load_one(backward, f"{where}.backward"),
+        )
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
             raise CodecError(
                 f"{where}: expected a (forward, backward) pair, got {len(value)} items"
             )
-        return QuantizedCommCodecs(forward=_load_one(value[0]), backward=_load_one(value[1]))
+        return QuantizedCommCodecs(
+            forward=_load_one(value[0], f"{where}.forward"),
+            backward=_load_one(value[1], f"{where}.backward"),
+        )
     # A single codec object serves both directions.
-    return QuantizedCommCodecs(forward=_load_one(value), backward=_load_one(value))
+    codec = _load_one(value, where)
+    return QuantizedCommCodecs(forward=codec, backward=codec)
 
 
-def _load_one(value: Any) -> Any:
-    if value is None:
-        return QuantizedCommCodecs().forward
+def _load_one(value: Any, where: str) -> Any:
     if isinstance(value, str):
-        return load_codec(value)
-    if isinstance(value, QuantizedCommCodec):
-        return value
-    raise CodecError(
-        f"expected a codec spec string or an object with the codec members "
-        f"{', '.join(_CONTRACT)}, got {type(value).__name__}"
-    )
+        try:
+            return load_codec(value)
+        except CodecError as err:
+            raise CodecError(f"{where}: {err}") from err
+    problem = _contract_problem(value)
+    if problem:
+        raise CodecError(f"{where}: expected a codec spec string or a codec object, got {problem}")
+    return value
 
 
-def _split_registry_string(text: str) -> dict[CommOp, str]:
-    # Commas separate both ops and a codec's options; a comma-separated item
-    # that starts with '<op>=' opens a new op, anything else continues the
-    # spec of the op before it.
-    pairs: dict[CommOp, list[str]] = {}
-    current: list[str] | None = None
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
+def _parse_registry_string(text: str) -> dict[CommOp, str]:
+    # Either one spec or pair for every op, or '<op>=<forward>/<backward>' items.
+    first = text.split(",")[0].split(";")[0]
+    if _is_option(first):
+        CommOp.parse(first.partition("=")[0])  # raises, naming the unknown op
+    pairs: dict[CommOp, str] = {}
+    every: list[str] = []
+    for item in split_codec_specs(text):
         head, eq, rest = item.partition("=")
         if eq and head.strip().upper() in CommOp.__members__:
             op = CommOp.parse(head)
             if op in pairs:
                 raise CodecError(f"CommOp {op.value!r} is given twice in {text!r}")
-            current = pairs[op] = [rest.strip()]
-        elif current is None:
-            if eq and ":" not in head and "/" not in head:
-                CommOp.parse(head)  # raises, naming the unknown op
-            raise CodecError(
-                f"expected '<op>=<forward>/<backward>' items in {text!r}; "
-                f"ops: {', '.join(m.value for m in CommOp)}"
-            )
+            pairs[op] = rest.strip()
         else:
-            current.append(item)
-    return {op: ",".join(parts) for op, parts in pairs.items()}
+            every.append(item)
+    if every and pairs:
+        raise CodecError(
+            f"expected either one codec pair for every op or '<op>=<forward>/<backward>' "
+            f"items, not both, in {text!r}; ops: {', '.join(m.value for m in CommOp)}"
+        )
+    if len(every) > 1:
+        raise CodecError(
+            f"expected one codec or 'forward/backward' pair for every op, got "
+            f"{len(every)} codecs ({', '.join(every)}) in {text!r}; to give each op its own, "
+            f"write '<op>=<forward>/<backward>' items (ops: {', '.join(m.value for m in CommOp)})"
+        )
+    return {op: every[0] for op in CommOp} if every else pairs
 
 
 def build_registry(
@@ -374,12 +558,18 @@ def build_registry(
       a ``(forward, backward)`` tuple of specs or codec objects, a
       ``"forward/backward"`` string, a :class:`~qcomm.QuantizedCommCodecs`, or
       a single spec or codec used for both directions.
-    - one string: ``"pooled_embeddings_all_to_all=int8/fp16,pooled_embeddings_reduce_scatter=fp16"``.
+    - one string: a spec or pair for all three ops (``"fp16"``,
+      ``"int8:row_dim=64/fp16"``), or ``<op>=<pair>`` items
+      (``"pooled_embeddings_all_to_all=int8/fp16,pooled_embeddings_reduce_scatter=fp16"``),
+      split as ``qcomm.registry.split_codec_specs`` splits the CLI's ``--codecs``.
 
     With no argument at all the string is read from ``QCOMM_CODECS``; if that
     is unset too the result is ``{}``, which means no-op everywhere. Every spec
     string gives a new codec instance, so stateful codecs built from specs
-    never share state; codec objects are used as given.
+    never share state; codec objects are used as given. Anything else (``None``
+    inside a pair, a number, a class rather than an instance, an object
+    lacking a member of the codec contract or whose ``quantized_dtype`` is not
+    a ``torch.dtype``) is refused, naming where it was given.
 
     .. warning::
 
@@ -409,8 +599,10 @@ def build_registry(
         dict[str, QuantizedCommCodecs]: pairs keyed by ``CommOp.name``.
 
     Raises:
-        CodecError: an unknown op or codec, a malformed spec, a plugin that
-            cannot be loaded, or a reduce-scatter codec TorchRec cannot carry.
+        CodecError: an unknown op or codec, a malformed spec, a value that is
+            not a codec, a plugin that cannot be loaded, or a reduce-scatter
+            codec TorchRec cannot carry; the message names the argument (or
+            ``QCOMM_CODECS``) and the op.
 
     Examples::
 
@@ -419,6 +611,8 @@ def build_registry(
         ['POOLED_EMBEDDINGS_ALL_TO_ALL', 'POOLED_EMBEDDINGS_REDUCE_SCATTER', 'SEQUENCE_EMBEDDINGS_ALL_TO_ALL']
         >>> build_registry({"pooled_embeddings_all_to_all": "noop/noop"}).keys()
         dict_keys(['POOLED_EMBEDDINGS_ALL_TO_ALL'])
+        >>> len(build_registry("noop/noop"))
+        3
     """
     if codecs is not None and (forward is not None or backward is not None):
         raise CodecError("build_registry: give either 'codecs' or 'forward'/'backward', not both")
@@ -426,15 +620,21 @@ def build_registry(
     if forward is not None or backward is not None:
         for op in CommOp:
             registry[op.name] = QuantizedCommCodecs(
-                forward=_load_one(forward), backward=_load_one(backward)
+                forward=_keyword_codec(forward, "forward"),
+                backward=_keyword_codec(backward, "backward"),
             )
         return _checked(registry, allow_unsummable_reduce_scatter)
+    where = "build_registry"
     if codecs is None:
         codecs = os.environ.get(_CODECS_ENV, "").strip()
+        where = _CODECS_ENV
         if not codecs:
             return registry
     if isinstance(codecs, str):
-        mapping: Mapping[Any, Any] = _split_registry_string(codecs)
+        try:
+            mapping: Mapping[Any, Any] = _parse_registry_string(codecs)
+        except CodecError as err:
+            raise CodecError(f"{where}: {err}") from err
     elif isinstance(codecs, Mapping):
         mapping = codecs
     else:
@@ -445,8 +645,15 @@ def build_registry(
         op = CommOp.parse(key)
         if op.name in registry:
             raise CodecError(f"build_registry: CommOp {op.name} is given twice")
-        registry[op.name] = _load_pair(value, f"build_registry[{op.name}]")
+        registry[op.name] = _load_pair(value, f"{where}[{op.name}]")
     return _checked(registry, allow_unsummable_reduce_scatter)
+
+
+def _keyword_codec(value: Any, name: str) -> Any:
+    # An omitted side is the no-op codec; each op gets its own instance.
+    if value is None:
+        return NoOpQuantizedCommCodec()
+    return _load_one(value, f"build_registry: {name}")
 
 
 def _checked(

@@ -611,6 +611,11 @@ def _rule_decode_into(run: _Run) -> None:
         raise run.fail("decode_into into a band of columns wrote outside the band")
 
 
+# The longest input the kit builds; 64 MiB of float32 (128 MiB as the float64
+# it is drawn in).
+_MAX_ELEMENTS = 1 << 24
+
+
 def check_codec(
     codec: Any,
     *,
@@ -618,9 +623,10 @@ def check_codec(
     seed: int = 0,
     block: int | None = None,
     device: str | torch.device = "cpu",
+    progress: Callable[[str], None] | None = None,
 ) -> CodecReport:
     r"""
-    check_codec(codec: Any, *, lengths: Sequence[int] | None = None, seed: int = 0, block: int | None = None, device: str | torch.device = "cpu") -> CodecReport
+    check_codec(codec: Any, *, lengths: Sequence[int] | None = None, seed: int = 0, block: int | None = None, device: str | torch.device = "cpu", progress: Callable[[str], None] | None = None) -> CodecReport
 
     Holds ``codec`` to the codec contract and to its declared error bound; see
     the module docstring for the rules.
@@ -640,6 +646,9 @@ def check_codec(
             is above ``1``, else ``1``).
         device (str | torch.device, optional): where the test data lives.
             Default: ``"cpu"``.
+        progress (Callable[[str], None], optional): called with each rule's
+            name before it is checked (``qcomm check`` uses it to say which
+            rule hung). Default: ``None``.
 
     Returns:
         CodecReport: the rules passed and the worst observed error relative to
@@ -649,7 +658,9 @@ def check_codec(
         ConformanceError: on the first rule broken (a :class:`~qcomm.CodecError`);
             the message names the rule, the codec and the input.
         ValueError: if ``lengths`` or ``block`` are not non-negative/positive
-            integers, or ``device`` is not among the codec's declared devices.
+            integers, or too large for the kit's test data (inputs of at most
+            :math:`2^{24}` elements, 128 blocks long at most), or ``device`` is
+            not among the codec's declared devices.
 
     Examples::
 
@@ -664,11 +675,21 @@ def check_codec(
         block = info.error_block if info.error_block > 1 else 1
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
+    if 128 * block > _MAX_ELEMENTS:
+        whose = f" (CodecInfo.error_block of {info.name!r})" if block == info.error_block else ""
+        raise ValueError(
+            f"block {block}{whose} is too large to check: the kit encodes inputs of 128 "
+            f"blocks, and holds them to {_MAX_ELEMENTS} elements (a block of at most "
+            f"{_MAX_ELEMENTS // 128}) so that its own test data fit in memory"
+        )
     if lengths is None:
         lengths = _default_lengths(block)
     bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, int) or n < 0]
     if bad:
         raise ValueError(f"lengths must be non-negative ints, got {bad}")
+    huge = [n for n in lengths if n > _MAX_ELEMENTS]
+    if huge:
+        raise ValueError(f"lengths: {huge[0]} is too large; the kit checks up to {_MAX_ELEMENTS}")
     dev = torch.device(device)
     if dev.type not in info.devices:
         raise ValueError(
@@ -704,6 +725,8 @@ def check_codec(
             skipped.append(f"{rule} ({step})")
             continue
         run.rule = rule
+        if progress is not None:
+            progress(rule)
         step()
         passed.append(rule)
     no_bound = math.isinf(info.rel_error_bound) or math.isinf(info.abs_error_bound)

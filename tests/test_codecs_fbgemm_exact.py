@@ -10,6 +10,10 @@ Bit-for-bit comparisons of the built-in codecs with fbgemm-gpu on CPU.
   rounding is checked against fbgemm's CPU kernel of the same element format
   (``FloatToHFP8Quantized`` with the forward / backward exponent bits, bias
   and largest value), and the scale against fbgemm's formula in float32.
+- fp8_e4m3_tensor: the wire equals fbgemm's ``fp32_to_hfp8_with_clamp`` with
+  TorchRec's default FP8 parameters and fbgemm's codec of ``SparseType.FP8``
+  without a row dim (TorchRec's default FP8 comm); decoding equals
+  ``hfp8_to_fp32``.
 
 Skipped as a whole where fbgemm-gpu is not installed.
 """
@@ -199,3 +203,64 @@ def test_fbgemm_has_no_cpu_rowwise_fp8() -> None:
     # CPU kernel, compare whole wires instead and use it where it is fast.
     with pytest.raises(RuntimeError):
         OPS.FloatToFP8RowwiseQuantized(torch.randn(4, 32), True)
+
+
+# -- fp8_e4m3_tensor ------------------------------------------------------------
+
+
+def _hfp8_inputs() -> torch.Tensor:
+    # Every code's value and every midpoint between neighbours (ties to
+    # even), a few ulps around them, values beyond the clamp, subnormals of
+    # the format and of float32, random magnitudes over all binades, signs.
+    grid = OPS.HFP8QuantizedToFloat(torch.arange(120, dtype=torch.uint8).view(1, -1), 4, 15)
+    grid = grid.view(-1)
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([grid, mids]).view(torch.int32)
+    near = torch.cat([near + k for k in range(-3, 4)]).view(torch.float32)
+    g = _gen(11)
+    n = 200_000
+    rand = torch.rand(n, generator=g) * 2.0 ** torch.randint(-150, 10, (n,), generator=g).float()
+    extra = torch.tensor([0.9375, 0.96875, 0.97, 1.0, 7.0, 3.4e38, math.inf, 2.0**-18, 1e-45])
+    x = torch.cat([near, rand, extra])
+    x = x[~x.isnan()]  # NaN is the one deliberate difference
+    return torch.cat([x, -x])
+
+
+def test_fp8_tensor_wire_equals_fbgemm_hfp8() -> None:
+    from fbgemm_gpu.quantize_comm import bias, ebits, mbits
+    from fbgemm_gpu.quantize_utils import fp32_to_hfp8_with_clamp, hfp8_to_fp32
+
+    x = _hfp8_inputs()
+    codec = qcomm.load_codec("fp8_e4m3_tensor")
+    wire = codec.encode(x)
+    assert wire.dtype == torch.uint8 and wire.shape == x.shape
+    # fbgemm's CPU kernel takes 2-D input only.
+    ref = fp32_to_hfp8_with_clamp(x.view(1, -1), ebits, mbits, bias).view(-1)
+    assert torch.equal(wire, ref)
+    assert torch.equal(_bits(codec.decode(wire)), _bits(hfp8_to_fp32(ref.view(1, -1), ebits, bias)))
+
+
+def test_fp8_tensor_equals_torchrecs_default_fp8_codec() -> None:
+    # TorchRec's CommType.FP8 without fp8_quantize_dim: fbgemm's codec with
+    # no row dim, on both passes; it ignores any loss scale.
+    theirs = QuantizedCommCodec(SparseType.FP8)
+    ctx = theirs.create_context()
+    assert ctx.row_dim <= 0  # tensor-wise
+    ours = qcomm.load_codec("fp8_e4m3_tensor")
+    x = _hfp8_inputs().view(2, -1)
+    wire = theirs.encode(x, ctx)
+    assert torch.equal(ours.encode(x), wire)
+    assert torch.equal(_bits(ours.decode(wire)), _bits(theirs.decode(wire, ctx)))
+    for n in (0, 1, 7, 4096):
+        assert ours.calc_quantized_size(n) == theirs.calc_quantized_size(n, ctx) == n
+
+
+def test_fp8_tensor_decodes_every_code_fbgemm_writes() -> None:
+    codes = torch.arange(256, dtype=torch.uint8)
+    written = (codes & 0x7F) <= 0x77  # fbgemm clamps to 0.9375, code 0x77
+    theirs = OPS.HFP8QuantizedToFloat(codes[written].view(1, -1), 4, 15).view(-1)
+    ours = qcomm.load_codec("fp8_e4m3_tensor").decode(codes)
+    assert torch.equal(_bits(ours[written]), _bits(theirs))
+    # The exponent field fbgemm never writes: ours are finite values above
+    # the clamp but NaN at 0x7F / 0xFF, the code NaN is sent as.
+    assert ours[~written].isnan().tolist() == [c & 0x7F == 0x7F for c in codes[~written].tolist()]

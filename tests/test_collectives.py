@@ -295,6 +295,18 @@ def finite_info(codec: Any) -> CodecInfo:
     return info
 
 
+def in_range(xs: list[torch.Tensor], codecs: Any) -> list[torch.Tensor]:
+    """The data scaled into the codecs' declared input range (a clamping
+    codec such as fp8_e4m3_tensor holds its bound only there)."""
+    if codecs is None:
+        return xs
+    limit = min(qcomm.codec_info(c).max_abs_input for c in (codecs.forward, codecs.backward))
+    if not math.isfinite(limit):
+        return xs
+    worst = max((float(x.abs().max()) for x in xs if x.numel()), default=0.0)
+    return [x * (limit / worst) for x in xs] if worst > limit else xs
+
+
 def assert_within(what: str, got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None:
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
     err = (got.double() - ref.double()).abs()
@@ -360,6 +372,7 @@ def check_pooled(
     xs = [gen(f"{tag}:x{k}", (sum(batches), dims[k]), exact).to(dtype) for k in range(world)]
     gs = [gen(f"{tag}:g{r}", (batches[r], sum(dims)), exact).to(dtype) for r in range(world)]
     codecs = pair(codec) if codec else None
+    xs, gs = in_range(xs, codecs), in_range(gs, codecs)
     x = xs[rank].clone().requires_grad_(True)
     out = qcomm.all_to_all_pooled(
         x, batches, dims, codecs=codecs, gradient_division=division
@@ -400,6 +413,7 @@ def check_reduce_scatter(
     xs = [gen(f"{tag}:x{k}", (sum(sizes), *rest), exact).to(dtype) for k in range(world)]
     gs = [gen(f"{tag}:g{r}", (sizes[r], *rest), exact).to(dtype) for r in range(world)]
     codecs = pair(codec) if codec else exact_codec
+    xs, gs = in_range(xs, codecs), in_range(gs, codecs)
     x = xs[rank].clone().requires_grad_(True)
     out = qcomm.reduce_scatter_pooled(
         x, input_splits=splits, codecs=codecs, gradient_division=division
@@ -440,6 +454,7 @@ def check_sequence(
     xs = [gen(f"{tag}:x{k}", (sum(matrix[k]), *rest), exact).to(dtype) for k in range(world)]
     gs = [gen(f"{tag}:g{r}", (sum(column[r]), *rest), exact).to(dtype) for r in range(world)]
     codecs = pair(codec) if codec else exact_codec
+    xs, gs = in_range(xs, codecs), in_range(gs, codecs)
     x = xs[rank].clone().requires_grad_(True)
     out = qcomm.all_to_all_sequence(
         x, input_splits=matrix[rank], output_splits=column[rank], codecs=codecs

@@ -345,6 +345,27 @@ def test_bad_arguments(kwargs, message):
         check_codec(NoOpQuantizedCommCodec(), **kwargs)
 
 
+class HugeBlock(HalfCodec):
+    """Declares a block of 2**32 elements (as int8 did for row_dim=2**32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.info = dataclasses.replace(self.info, error_block=2**32)
+
+
+def test_a_block_too_large_to_test_is_a_clear_error():
+    # The kit's own inputs, 128 blocks long, would take 4 TiB: refused with
+    # the reason, before any is built.
+    with pytest.raises(
+        ValueError, match=r"block 4294967296 \(CodecInfo.error_block of 'HugeBlock'\)"
+    ):
+        check_codec(HugeBlock())
+    with pytest.raises(ValueError, match=r"block 1099511627776 .*too large"):
+        check_codec(NoOpQuantizedCommCodec(), block=2**40)
+    with pytest.raises(ValueError, match=r"lengths: 10000000000000 .*too large"):
+        check_codec(NoOpQuantizedCommCodec(), lengths=[3, 10**13])
+
+
 def test_report_str_lists_rules_and_bound():
     report = CodecReport(
         codec="x",

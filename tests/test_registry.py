@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -271,7 +272,8 @@ def test_build_registry_reads_environment(plugins, monkeypatch):
             "unknown CommOp 'pooled_embeddings_all_2_all'",
         ),
         (("pooled_embeddings_all_2_all=noop",), {}, "unknown CommOp 'pooled_embeddings_all_2_all'"),
-        (("noop/noop",), {}, "expected '<op>=<forward>/<backward>'"),
+        (("noop,fp16",), {}, "one codec or 'forward/backward' pair for every op, got 2"),
+        (("fp16,pooled_embeddings_all_to_all=noop",), {}, "not both"),
         (
             ("pooled_embeddings_all_to_all=noop,pooled_embeddings_all_to_all=noop",),
             {},
@@ -279,7 +281,7 @@ def test_build_registry_reads_environment(plugins, monkeypatch):
         ),
         (({"pooled_embeddings_all_to_all": "noop/noop/noop"},), {}, "expected 'forward/backward'"),
         (({"pooled_embeddings_all_to_all": ("noop",)},), {}, r"\(forward, backward\) pair"),
-        (({"pooled_embeddings_all_to_all": 42},), {}, "codec spec string or an object"),
+        (({"pooled_embeddings_all_to_all": 42},), {}, "codec spec string or a codec object"),
         (({"pooled_embeddings_all_to_all": "int9"},), {}, "unknown codec 'int9'"),
         ((42,), {}, "must be a mapping or a string"),
         (({},), {"forward": "noop"}, "not both"),
@@ -404,3 +406,205 @@ def test_cli_list_details(plugins, capsys):
     assert noop_row.split()[3:5] == ["32", "yes"]
     broken_row = next(line for line in out.splitlines() if line.startswith("broken "))
     assert "error" in broken_row and "no_such_dependency_xyz" in broken_row
+
+
+# One source of truth: what is listed is what is loaded (issue 13)
+
+
+def test_upgraded_plugin_loads_the_version_listed(tmp_path, monkeypatch):
+    monkeypatch.delenv("QCOMM_PLUGINS", raising=False)
+    make_dist(tmp_path, "good-codecs", "good_v1", GOOD_CODEC, {"good": "Codec"})
+    activate(tmp_path, monkeypatch)
+    assert type(qcomm.load_codec("good")).__module__ == "good_v1"
+    # pip upgrades the distribution in place while the process runs.
+    for info in tmp_path.glob("good_codecs-1.0.dist-info/*"):
+        info.unlink()
+    (tmp_path / "good_codecs-1.0.dist-info").rmdir()
+    make_dist(tmp_path, "good-codecs", "good_v2", GOOD_CODEC, {"good": "Codec"}, version="2.0")
+    importlib.invalidate_caches()
+    assert [e.version for e in qcomm.codec_entries()["good"]] == ["2.0"]
+    assert type(qcomm.load_codec("good")).__module__ == "good_v2"
+
+
+def test_plugin_installed_while_running_is_loaded(tmp_path, monkeypatch):
+    monkeypatch.delenv("QCOMM_PLUGINS", raising=False)
+    make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"})
+    activate(tmp_path, monkeypatch)
+    qcomm.load_codec("good")  # the entry points have been read once
+    make_dist(tmp_path, "late-codecs", "late_mod", GOOD_CODEC, {"late": "Codec"})
+    importlib.invalidate_caches()
+    assert "late" in qcomm.available_codecs()
+    assert type(qcomm.load_codec("late")).__module__ == "late_mod"
+
+
+def test_plugin_upgraded_under_an_imported_module_is_refused(tmp_path, monkeypatch):
+    # Same module name in both versions: the process still holds the old code,
+    # which must not be handed out as the new version.
+    monkeypatch.delenv("QCOMM_PLUGINS", raising=False)
+    make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"})
+    activate(tmp_path, monkeypatch)
+    qcomm.load_codec("good")
+    for info in tmp_path.glob("good_codecs-1.0.dist-info/*"):
+        info.unlink()
+    (tmp_path / "good_codecs-1.0.dist-info").rmdir()
+    make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"}, version="2.0")
+    importlib.invalidate_caches()
+    with pytest.raises(CodecError, match=r"good-codecs 2\.0.*imported.*1\.0.*restart"):
+        qcomm.load_codec("good")
+
+
+def test_another_module_of_an_upgraded_package_is_refused(tmp_path, monkeypatch):
+    # v2 adds a codec in a new module of the package whose v1 is imported:
+    # loading it would mix the old package's code with the new module's.
+    monkeypatch.delenv("QCOMM_PLUGINS", raising=False)
+    (tmp_path / "goodpkg").mkdir()
+    (tmp_path / "goodpkg" / "__init__.py").write_text("")
+    for name in ("a", "b"):
+        (tmp_path / "goodpkg" / f"{name}.py").write_text(GOOD_CODEC)
+    make_dist(tmp_path, "pkg-codecs", "unused_mod", "", {"pa": "X"})
+    entry_points = tmp_path / "pkg_codecs-1.0.dist-info" / "entry_points.txt"
+    entry_points.write_text("[qcomm.codecs]\npa = goodpkg.a:Codec\n")
+    activate(tmp_path, monkeypatch)
+    monkeypatch.delitem(sys.modules, "goodpkg", raising=False)
+    monkeypatch.delitem(sys.modules, "goodpkg.a", raising=False)
+    qcomm.load_codec("pa")
+    info = tmp_path / "pkg_codecs-1.0.dist-info"
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pkg-codecs\nVersion: 2.0\n")
+    entry_points.write_text("[qcomm.codecs]\npa = goodpkg.a:Codec\npb = goodpkg.b:Codec\n")
+    info.rename(tmp_path / "pkg_codecs-2.0.dist-info")
+    importlib.invalidate_caches()
+    with pytest.raises(CodecError, match=r"imported goodpkg from pkg-codecs 1\.0.*restart"):
+        qcomm.load_codec("pb")
+    assert "goodpkg.b" not in sys.modules
+
+
+# Arguments that are not codecs, specs that contradict themselves, QCOMM_PLUGINS
+
+
+class _NotADtype(NoOpQuantizedCommCodec):
+    quantized_dtype = "float16"  # type: ignore[assignment]
+
+
+_OP = "POOLED_EMBEDDINGS_ALL_TO_ALL"
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: qcomm.build_registry(forward=NoOpQuantizedCommCodec), r"forward: .*class"),
+        (lambda: qcomm.build_registry(backward=3), r"backward: .*got int"),
+        (lambda: qcomm.build_registry(forward=True), r"forward: .*got bool"),
+        (lambda: qcomm.build_registry(forward=_NotADtype()), r"forward: .*quantized_dtype"),
+        (lambda: qcomm.build_registry({_OP: None}), rf"build_registry\[{_OP}\]: .*None"),
+        (lambda: qcomm.build_registry({_OP: NoOpQuantizedCommCodec}), r"class"),
+        (lambda: qcomm.build_registry({_OP: (None, "noop")}), rf"\[{_OP}\]\.forward: .*None"),
+        (lambda: qcomm.build_registry({_OP: ("noop", 3)}), rf"\[{_OP}\]\.backward: .*int"),
+        (
+            lambda: qcomm.build_registry({_OP: QuantizedCommCodecs(forward="fp16")}),
+            rf"\[{_OP}\]\.forward: .*got str",
+        ),
+        (
+            lambda: qcomm.build_registry({_OP: QuantizedCommCodecs(backward=None)}),
+            rf"\[{_OP}\]\.backward: .*None",
+        ),
+        (
+            lambda: qcomm.build_registry(
+                {_OP: QuantizedCommCodecs(forward=NoOpQuantizedCommCodec)}
+            ),
+            rf"\[{_OP}\]\.forward: .*class",
+        ),
+        (lambda: qcomm.load_codec(3), r"spec: expected a codec spec string.*got int"),
+        (lambda: qcomm.load_codec(None), r"spec: expected a codec spec string.*got NoneType"),
+        (lambda: qcomm.load_codec(NoOpQuantizedCommCodec), r"spec: .*got type"),
+    ],
+)
+def test_what_is_not_a_codec_is_refused_naming_the_argument(build, match):
+    with pytest.raises(CodecError, match=match):
+        build()
+
+
+def test_plugin_factory_returning_a_class_is_refused(plugins):
+    with (plugins / "other_mod.py").open("a") as f:
+        f.write("\ndef make_class():\n    return Codec\n")
+    with (plugins / "other_codecs-2.5.dist-info" / "entry_points.txt").open("a") as f:
+        f.write("classy = other_mod:make_class\n")
+    importlib.invalidate_caches()
+    with pytest.raises(CodecError, match=r"'classy'.*returned the class Codec"):
+        qcomm.load_codec("classy")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: qcomm.parse_codec_spec("int8:row_dim=4,row_dim=8"),
+        lambda: qcomm.load_codec("int8:row_dim=4, row_dim =8"),
+        lambda: qcomm.build_registry(f"{_OP}=int8:row_dim=4,row_dim=8/fp16"),
+    ],
+)
+def test_an_option_given_twice_is_refused(call):
+    with pytest.raises(CodecError, match=r"option 'row_dim' is given twice"):
+        call()
+
+
+def test_a_distribution_left_out_causes_no_conflict(plugins, tmp_path, monkeypatch):
+    second = tmp_path / "second"
+    second.mkdir()
+    make_dist(second, "rival-codecs", "rival_mod", GOOD_CODEC, {"good": "Codec"}, version="0.3")
+    activate(second, monkeypatch)
+    monkeypatch.setenv("QCOMM_PLUGINS", "qcomm,good-codecs")
+    assert [e.distribution for e in qcomm.codec_entries()["good"]] == ["good-codecs"]
+    assert type(qcomm.load_codec("good")).__module__ == "good_mod"
+    assert "rival_mod" not in sys.modules
+
+
+@pytest.mark.parametrize("value", ["qcom,good-codecs", "good-codecs,no-such-dist", " , "])
+def test_qcomm_plugins_naming_no_codec_distribution_is_an_error(plugins, monkeypatch, value):
+    monkeypatch.setenv("QCOMM_PLUGINS", value)
+    for call in (
+        qcomm.available_codecs,
+        qcomm.codec_entries,
+        lambda: qcomm.load_codec("good"),
+        lambda: qcomm.build_registry(forward="fp16"),
+    ):
+        with pytest.raises(CodecError) as err:
+            call()
+        msg = str(err.value)
+        assert f"QCOMM_PLUGINS={value.strip()!r}: " in msg
+        assert "good-codecs" in msg and "qcomm" in msg and "other-codecs" in msg  # the known ones
+    assert cli_main(["list"]) == 2
+
+
+# QCOMM_CODECS and the string form take what the CLI takes
+
+
+@pytest.mark.parametrize(
+    "text, forward, backward",
+    [
+        ("fp16", "FP16Codec", "FP16Codec"),
+        ("fp16/bf16", "FP16Codec", "BF16Codec"),
+        (" good:scale=2,tag=x / noop ", "Codec", "NoOpQuantizedCommCodec"),
+    ],
+)
+def test_qcomm_codecs_takes_a_spec_or_a_pair_for_every_op(
+    plugins, monkeypatch, text, forward, backward
+):
+    monkeypatch.setenv("QCOMM_CODECS", text)
+    for registry in (qcomm.build_registry(), qcomm.build_registry(text)):
+        assert _kinds(registry) == {op: (forward, backward) for op in ALL_OPS}
+    if forward == "Codec":
+        assert registry["POOLED_EMBEDDINGS_ALL_TO_ALL"].forward.tag == "x"
+
+
+def test_qcomm_codecs_specs_split_like_the_cli(plugins, monkeypatch):
+    from qcomm.benchmark.options import split_codec_list
+
+    text = "good:scale=2,tag=x,noop"
+    assert split_codec_list(text) == ["good:scale=2,tag=x", "noop"]
+    # The CLI measures both codecs; a registry has one pair per op, so two
+    # codecs in QCOMM_CODECS are one too many, said with the variable's name.
+    monkeypatch.setenv("QCOMM_CODECS", text)
+    with pytest.raises(CodecError, match=r"QCOMM_CODECS: .*2 codecs"):
+        qcomm.build_registry()
+    monkeypatch.setenv("QCOMM_CODECS", "pooled_embeddings_all_2_all=fp16")
+    with pytest.raises(CodecError, match=r"QCOMM_CODECS: unknown CommOp"):
+        qcomm.build_registry()

@@ -37,6 +37,7 @@ from test_collectives import (
 )
 
 import qcomm
+import qcomm.collectives._describe as qdescribe
 import qcomm.collectives._verify as qverify
 from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
 
@@ -296,7 +297,7 @@ def disagreements(rank: int, world: int) -> list[tuple[str, Callable[[], Any], d
                 output_splits=sends,
                 codecs=QuantizedCommCodecs(ScaledCodec(2.0 if me_odd else 1.0), ScaledCodec(1.0)),
             ),
-            all_ranks("codecs.forward", "'scale': 2.0", "'scale': 1.0"),
+            all_ranks("codecs.forward", "scale=2.0", "scale=1.0"),
         ),
         (
             "reduce-scatter input_splits",
@@ -513,7 +514,7 @@ def test_describe_codec_ignores_device_index_and_address_and_sees_options() -> N
         def __repr__(self) -> str:
             return f"<AddressRepr at {hex(id(self))}>"
 
-    describe = qverify.describe_codec
+    describe = qdescribe.describe_codec
     assert describe(OnDevice("cuda:0")) == describe(OnDevice("cuda:1"))
     assert describe(AddressRepr()) == describe(AddressRepr())
     assert describe(ScaledCodec(1.0)) != describe(ScaledCodec(2.0))

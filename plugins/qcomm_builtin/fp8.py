@@ -30,10 +30,7 @@ import torch
 from qcomm import CodecInfo
 from qcomm_builtin._blocks import (
     BlockCodec,
-    BlockContext,
     check_block_size,
-    check_wire,
-    flatten_input,
     pad_to_blocks,
 )
 from qcomm_builtin._native import kernels
@@ -120,25 +117,7 @@ class _RowwiseFP8Codec(BlockCodec):
             out[bad.view(-1), : self.block] = 0
         out[:, self._values_bytes : self._values_bytes + 4] = scale.view(torch.uint8)
 
-    def encode(self, input_tensor: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
-        r"""
-        encode(input_tensor: Tensor, ctx: BlockContext | None = None) -> Tensor
-
-        Scales every row so its max-abs maps to the format's largest value,
-        rounds to nearest even, and appends the row's scale.
-
-        Args:
-            input_tensor (Tensor): floating-point values, any shape (read
-                flattened, row-major); computed in float32.
-            ctx (BlockContext, optional): ignored. Default: ``None``.
-
-        Returns:
-            Tensor: 1-D ``uint8`` wire of :meth:`calc_quantized_size` bytes.
-
-        Raises:
-            TypeError: if ``input_tensor`` is not a floating-point tensor.
-        """
-        flat = flatten_input(input_tensor, self._name)
+    def _encode_flat(self, flat: torch.Tensor) -> torch.Tensor:
         k = kernels() if flat.device.type == "cpu" else None
         if k is not None:
             out = torch.empty(self.calc_quantized_size(flat.numel()), dtype=torch.uint8)
@@ -151,24 +130,7 @@ class _RowwiseFP8Codec(BlockCodec):
             self._encode_rows(rows, out)
         return out.view(-1)
 
-    def decode(self, input_grad: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
-        r"""
-        decode(input_grad: Tensor, ctx: BlockContext | None = None) -> Tensor
-
-        Widens every value and divides it by its row's scale.
-
-        Args:
-            input_grad (Tensor): ``uint8`` wire of whole rows.
-            ctx (BlockContext, optional): ignored. Default: ``None``.
-
-        Returns:
-            Tensor: 1-D float32, ``row_dim`` elements per wire row.
-
-        Raises:
-            ValueError: if ``input_grad`` is not ``uint8`` or its length is not
-                a multiple of the row's wire size.
-        """
-        wire = check_wire(input_grad, torch.uint8, self.block_bytes, self._name)
+    def _decode_flat(self, wire: torch.Tensor) -> torch.Tensor:
         rows = wire.view(-1, self.block_bytes)
         if rows.shape[0] == 0:
             return torch.zeros(0, device=rows.device)
@@ -224,8 +186,12 @@ class FP8E4M3Codec(_RowwiseFP8Codec):
     Any length: a partial last row is padded with zeros (which leaves its
     max-abs unchanged) and :meth:`decode` returns whole rows,
     ``ceil(n / row_dim) * row_dim`` elements; the first ``n`` are the decoded
-    input. Sizes add up for lengths that are multiples of ``row_dim``;
-    :meth:`padded_size` pads pooled embeddings to whole rows.
+    input. Each input row (the last dimension of an input of
+    two or more dimensions) that is not a multiple of ``row_dim`` is padded
+    that way, so that no quantization row straddles two input rows (see
+    :mod:`qcomm_builtin._blocks`). Sizes add up for lengths that are
+    multiples of ``row_dim``; :meth:`padded_size` pads pooled embeddings to
+    whole rows.
 
     Non-finite input: **propagates row-wise**. A row holding NaN or
     :math:`\pm\infty` is sent with a NaN scale and zero values and decodes to
@@ -233,12 +199,12 @@ class FP8E4M3Codec(_RowwiseFP8Codec):
     to the largest value, a finite number.)
 
     Args:
-        row_dim (int, optional): elements per row, each with its own scale.
-            Default: ``32`` (fbgemm's ``QuantizationContext`` default).
+        row_dim (int, optional): elements per row, each with its own scale,
+            at most 65536. Default: ``32`` (fbgemm's ``QuantizationContext`` default).
 
     Raises:
         TypeError: if ``row_dim`` is not an int.
-        ValueError: if ``row_dim`` is not positive.
+        ValueError: if ``row_dim`` is not in ``[1, 65536]``.
 
     Examples::
 
@@ -282,8 +248,12 @@ class FP8E5M2Codec(_RowwiseFP8Codec):
     Any length: a partial last row is padded with zeros (which leaves its
     max-abs unchanged) and :meth:`decode` returns whole rows,
     ``ceil(n / row_dim) * row_dim`` elements; the first ``n`` are the decoded
-    input. Sizes add up for lengths that are multiples of ``row_dim``;
-    :meth:`padded_size` pads pooled embeddings to whole rows.
+    input. Each input row (the last dimension of an input of
+    two or more dimensions) that is not a multiple of ``row_dim`` is padded
+    that way, so that no quantization row straddles two input rows (see
+    :mod:`qcomm_builtin._blocks`). Sizes add up for lengths that are
+    multiples of ``row_dim``; :meth:`padded_size` pads pooled embeddings to
+    whole rows.
 
     Non-finite input: **propagates row-wise**. A row holding NaN or
     :math:`\pm\infty` is sent with a NaN scale and zero values and decodes to
@@ -291,12 +261,12 @@ class FP8E5M2Codec(_RowwiseFP8Codec):
     to the largest value, a finite number.)
 
     Args:
-        row_dim (int, optional): elements per row, each with its own scale.
-            Default: ``32`` (fbgemm's ``QuantizationContext`` default).
+        row_dim (int, optional): elements per row, each with its own scale,
+            at most 65536. Default: ``32`` (fbgemm's ``QuantizationContext`` default).
 
     Raises:
         TypeError: if ``row_dim`` is not an int.
-        ValueError: if ``row_dim`` is not positive.
+        ValueError: if ``row_dim`` is not in ``[1, 65536]``.
 
     Examples::
 

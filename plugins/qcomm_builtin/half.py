@@ -18,10 +18,17 @@ from typing import Any
 import torch
 
 from qcomm import CodecInfo
-from qcomm_builtin._blocks import block_padded_size, check_wire, flatten_input
+from qcomm_builtin._blocks import ElementwiseCodec, check_wire, flatten_input
 from qcomm_builtin._native import check_out, copy_into
 
 __all__ = ["BF16Codec", "FP16Codec"]
+
+
+# The loss scale multiplies and divides in float32: it must be a normal
+# float32, else it rounds to inf or 0 (1.0 came back as 0.0, 0.0 as NaN) or
+# loses the precision the error bound assumes.
+_SCALE_MIN = 2.0**-126
+_SCALE_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _check_loss_scale(loss_scale: object) -> float | None:
@@ -31,9 +38,17 @@ def _check_loss_scale(loss_scale: object) -> float | None:
         raise TypeError(
             f"loss_scale must be a positive finite float or None, got {type(loss_scale).__name__} {loss_scale!r}"
         )
-    value = float(loss_scale)
-    if not (math.isfinite(value) and value > 0):
+    try:
+        value = float(loss_scale)
+    except OverflowError:  # an int beyond any float
+        value = math.inf
+    if math.isnan(value) or value <= 0:
         raise ValueError(f"loss_scale must be a positive finite float or None, got {loss_scale!r}")
+    if not _SCALE_MIN <= value <= _SCALE_MAX:
+        raise ValueError(
+            f"loss_scale must be a normal float32 value, between 2**-126 and {_SCALE_MAX:.8g} "
+            f"(it is applied in float32), got {loss_scale!r}"
+        )
     return value
 
 
@@ -49,7 +64,7 @@ def _clamped_cast(
     return scaled.to(dtype).clamp_(-bound, bound)
 
 
-class _HalfCodec:
+class _HalfCodec(ElementwiseCodec):
     # Shared body of FP16Codec and BF16Codec; they differ only in the format.
     _name: str
     _dtype: torch.dtype
@@ -67,7 +82,9 @@ class _HalfCodec:
             # roundings (2 ** -24 each) to the relative error.
             rel = self._unit_roundoff + 2.0**-21
             abs_ = 2.0 * self._half_min_subnormal / scale
-            max_abs = self._max / scale
+            # Above 2**127, a value rounded up on the wire could decode past
+            # float32's largest value (a scale below 1 widens the range).
+            max_abs = min(self._max / scale, 2.0**127)
         self.info = CodecInfo(
             name=self._name,
             bits_per_element=float(torch.finfo(self._dtype).bits),
@@ -173,60 +190,6 @@ class _HalfCodec:
         if self._loss_scale is not None:
             out.div_(self._loss_scale)
 
-    def calc_quantized_size(self, input_len: int, ctx: Any | None = None) -> int:
-        r"""
-        calc_quantized_size(input_len: int, ctx: Any | None = None) -> int
-
-        One wire element per input element.
-
-        Args:
-            input_len (int): number of input elements.
-            ctx (Any, optional): ignored. Default: ``None``.
-
-        Returns:
-            int: ``input_len``.
-
-        Raises:
-            ValueError: if ``input_len`` is negative.
-        """
-        if input_len < 0:
-            raise ValueError(f"input_len must be >= 0, got {input_len}")
-        return input_len
-
-    def create_context(self) -> None:
-        r"""
-        create_context() -> None
-
-        A cast keeps no per-call state.
-        """
-        return None
-
-    def padded_size(
-        self,
-        input_tensor: torch.Tensor,
-        dim_per_rank: list[int],
-        my_rank: int,
-        qcomm_ctx: Any,
-    ) -> tuple[int, int]:
-        r"""
-        padded_size(input_tensor: Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: Any) -> tuple[int, int]
-
-        A cast needs no column padding.
-
-        Args:
-            input_tensor (Tensor): the pooled input ``[batch, dim_sum]``.
-            dim_per_rank (list[int]): embedding dim sum of every rank.
-            my_rank (int): this rank.
-            qcomm_ctx (Any): ignored (the context is ``None``).
-
-        Returns:
-            tuple[int, int]: ``(dim_per_rank[my_rank], 0)`` for a 2-D input.
-
-        Raises:
-            ValueError: if the input's width is not ``dim_per_rank[my_rank]``.
-        """
-        return block_padded_size(input_tensor, dim_per_rank, my_rank, None, 1)
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(loss_scale={self._loss_scale!r})"
 
@@ -243,7 +206,7 @@ class FP16Codec(_HalfCodec):
     for :math:`|x| \le 65504` (round to nearest even; the absolute part covers
     float16's subnormals). With a loss scale :math:`s`, both parts are
     widened for the float32 scaling: :math:`(2^{-11} + 2^{-21})|x| + 2^{-24}/s`
-    for :math:`|x| \le 65504 / s`.
+    for :math:`|x| \le \min(65504 / s, 2^{127})`.
 
     Non-finite input: NaN stays NaN. Finite values beyond the range and
     :math:`\pm\infty` **saturate** to :math:`\pm 65504` (as in fbgemm), so an
@@ -252,12 +215,13 @@ class FP16Codec(_HalfCodec):
     Args:
         loss_scale (float, optional): multiply by this before encoding and
             divide after decoding, to move small values (gradients) out of
-            float16's subnormal range. Must be positive and finite.
+            float16's subnormal range. Must be a normal float32 value
+            (:math:`2^{-126}` to :math:`3.4 \cdot 10^{38}`).
             Default: ``None`` (no scaling).
 
     Raises:
         TypeError: if ``loss_scale`` is not a real number.
-        ValueError: if ``loss_scale`` is not positive and finite.
+        ValueError: if ``loss_scale`` is not a positive normal float32 value.
 
     Examples::
 
@@ -289,7 +253,8 @@ class BF16Codec(_HalfCodec):
     :math:`|\hat{x} - x| \le 2^{-8}|x| + 2^{-134}`
     for :math:`|x| \le 3.3895 \cdot 10^{38}` (bfloat16's largest finite
     value). With a loss scale :math:`s`:
-    :math:`(2^{-8} + 2^{-21})|x| + 2^{-133}/s` for :math:`|x| \le \max / s`.
+    :math:`(2^{-8} + 2^{-21})|x| + 2^{-133}/s` for
+    :math:`|x| \le \min(\max / s, 2^{127})`.
 
     Non-finite input: NaN stays NaN. :math:`\pm\infty`, and the few finite
     float32 values above bfloat16's largest, **saturate** to
@@ -297,12 +262,13 @@ class BF16Codec(_HalfCodec):
 
     Args:
         loss_scale (float, optional): multiply by this before encoding and
-            divide after decoding. Must be positive and finite.
+            divide after decoding. Must be a normal float32 value
+            (:math:`2^{-126}` to :math:`3.4 \cdot 10^{38}`).
             Default: ``None`` (no scaling).
 
     Raises:
         TypeError: if ``loss_scale`` is not a real number.
-        ValueError: if ``loss_scale`` is not positive and finite.
+        ValueError: if ``loss_scale`` is not a positive normal float32 value.
 
     Examples::
 

@@ -18,10 +18,7 @@ import torch
 from qcomm import CodecInfo
 from qcomm_builtin._blocks import (
     BlockCodec,
-    BlockContext,
     check_block_size,
-    check_wire,
-    flatten_input,
     pad_to_blocks,
 )
 from qcomm_builtin._fbgemm import fbgemm_ops
@@ -129,8 +126,12 @@ class Int8Codec(BlockCodec):
     Any length: a partial last row is padded by repeating its last element
     (so it keeps its real minimum and maximum) and :meth:`decode` returns
     whole rows, ``ceil(n / row_dim) * row_dim`` elements; the first ``n`` are
-    the decoded input. Sizes add up for lengths that are multiples of
-    ``row_dim``; :meth:`padded_size` pads pooled embeddings to whole rows.
+    the decoded input. Each input row (the last dimension of an input of
+    two or more dimensions) that is not a multiple of ``row_dim`` is padded
+    that way, so that no quantization row straddles two input rows (see
+    :mod:`qcomm_builtin._blocks`). Sizes add up for lengths that are
+    multiples of ``row_dim``; :meth:`padded_size` pads pooled embeddings to
+    whole rows.
 
     Error bound (``info``, a :class:`~qcomm.CodecInfo`), per row with largest
     magnitude :math:`m`:
@@ -146,11 +147,11 @@ class Int8Codec(BlockCodec):
 
     Args:
         row_dim (int, optional): elements per row, each row with its own
-            scale and bias. Default: ``32`` (fbgemm's and TorchRec's default).
+            scale and bias, at most 65536. Default: ``32`` (fbgemm's and TorchRec's default).
 
     Raises:
         TypeError: if ``row_dim`` is not an int.
-        ValueError: if ``row_dim`` is not positive.
+        ValueError: if ``row_dim`` is not in ``[1, 65536]``.
 
     Examples::
 
@@ -165,6 +166,8 @@ class Int8Codec(BlockCodec):
         >>> [round(v, 4) for v in codec.decode(wire).tolist()]
         [0.0, 1.0, 2.0, 3.0, -1.0, 1.0, 1.0, 1.0]
     """
+
+    _edge_pad = True  # a padded row keeps its real minimum and maximum
 
     def __init__(self, row_dim: int = DEFAULT_ROW_DIM) -> None:
         self.block = check_block_size("row_dim", row_dim)
@@ -197,24 +200,7 @@ class Int8Codec(BlockCodec):
         """
         return torch.uint8
 
-    def encode(self, input_tensor: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
-        r"""
-        encode(input_tensor: Tensor, ctx: BlockContext | None = None) -> Tensor
-
-        Quantizes row by row into the fused 8-bit format.
-
-        Args:
-            input_tensor (Tensor): floating-point values, any shape (read
-                flattened, row-major); computed in float32.
-            ctx (BlockContext, optional): ignored. Default: ``None``.
-
-        Returns:
-            Tensor: 1-D ``uint8`` wire of :meth:`calc_quantized_size` bytes.
-
-        Raises:
-            TypeError: if ``input_tensor`` is not a floating-point tensor.
-        """
-        flat = flatten_input(input_tensor, "int8")
+    def _encode_flat(self, flat: torch.Tensor) -> torch.Tensor:
         k = kernels() if flat.device.type == "cpu" else None
         if k is not None:
             out = torch.empty(self.calc_quantized_size(flat.numel()), dtype=torch.uint8)
@@ -230,24 +216,7 @@ class Int8Codec(BlockCodec):
         _quantize_rows(rows, out)
         return out.view(-1)
 
-    def decode(self, input_grad: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
-        r"""
-        decode(input_grad: Tensor, ctx: BlockContext | None = None) -> Tensor
-
-        Dequantizes every row: value times scale plus bias.
-
-        Args:
-            input_grad (Tensor): ``uint8`` wire of whole rows.
-            ctx (BlockContext, optional): ignored. Default: ``None``.
-
-        Returns:
-            Tensor: 1-D float32, ``row_dim`` elements per wire row.
-
-        Raises:
-            ValueError: if ``input_grad`` is not ``uint8`` or its length is not
-                a multiple of ``row_dim + 8``.
-        """
-        wire = check_wire(input_grad, torch.uint8, self.block_bytes, "int8")
+    def _decode_flat(self, wire: torch.Tensor) -> torch.Tensor:
         rows = wire.view(-1, self.block_bytes)
         d = self.block
         if rows.shape[0] == 0:

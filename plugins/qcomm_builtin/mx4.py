@@ -24,10 +24,7 @@ import torch
 from qcomm import CodecInfo
 from qcomm_builtin._blocks import (
     BlockCodec,
-    BlockContext,
     check_block_size,
-    check_wire,
-    flatten_input,
     pad_to_blocks,
 )
 from qcomm_builtin._native import kernels
@@ -431,11 +428,11 @@ class MX4Codec(BlockCodec):
     Any length: the input is read flattened (row-major) and a partial last
     group is padded with zeros, as fbgemm pads; :meth:`decode` returns whole
     groups, ``ceil(n / group_size) * group_size`` elements, of which the first
-    ``n`` are the decoded input. (fbgemm pads the last dimension of an N-D
-    input row by row instead; the two agree whenever that dimension is a
-    multiple of ``group_size``, which :meth:`padded_size` arranges for
-    TorchRec's pooled embeddings.) Sizes add up for lengths that are multiples
-    of ``group_size``.
+    ``n`` are the decoded input. An input of two or more dimensions whose last
+    dimension is not whole groups has every row padded instead, as fbgemm
+    does (wire and decoded layout equal fbgemm's; with the context of the
+    encode, :meth:`decode` drops the padding: see :mod:`qcomm_builtin._blocks`).
+    Sizes add up for lengths that are multiples of ``group_size``.
 
     Error bound (``info``), per group with largest magnitude :math:`M`:
     :math:`|\hat{x} - x| \le r M + 2^{-129}` with :math:`r = 0.2` for
@@ -452,15 +449,16 @@ class MX4Codec(BlockCodec):
     silently encodes such a group as zeros.
 
     Args:
-        group_size (int, optional): elements per shared exponent; a positive
-            even number. Default: ``32`` (fbgemm's and TorchRec's default).
+        group_size (int, optional): elements per shared exponent; an even
+            number from 2 to 65536. Default: ``32`` (fbgemm's and TorchRec's
+            default).
         rounding (str, optional): how the shared exponent is rounded, one of
             ``"even"``, ``"nearest"``, ``"floor"``, ``"ceil"``,
             ``"stochastic"``. Default: ``"even"``.
 
     Raises:
         TypeError: if ``group_size`` is not an int.
-        ValueError: if ``group_size`` is not a positive even number, or
+        ValueError: if ``group_size`` is not an even number in ``[2, 65536]``, or
             ``rounding`` is not a known mode.
 
     Examples::
@@ -522,24 +520,7 @@ class MX4Codec(BlockCodec):
         """
         return torch.uint8
 
-    def encode(self, input_tensor: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
-        r"""
-        encode(input_tensor: Tensor, ctx: BlockContext | None = None) -> Tensor
-
-        Quantizes group by group into the MX4 wire.
-
-        Args:
-            input_tensor (Tensor): floating-point values, any shape (read
-                flattened, row-major); computed in float32.
-            ctx (BlockContext, optional): ignored. Default: ``None``.
-
-        Returns:
-            Tensor: 1-D ``uint8`` wire of :meth:`calc_quantized_size` bytes.
-
-        Raises:
-            TypeError: if ``input_tensor`` is not a floating-point tensor.
-        """
-        flat = flatten_input(input_tensor, "mx4")
+    def _encode_flat(self, flat: torch.Tensor) -> torch.Tensor:
         k = kernels() if flat.device.type == "cpu" and self._rounding != "stochastic" else None
         table = _exponent_table(self._rounding) if k is not None else None
         if k is not None and table is not None:
@@ -557,24 +538,7 @@ class MX4Codec(BlockCodec):
         flat = pad_to_blocks(flat, self.block)
         return encode_mx4(flat.contiguous(), self.block, self._rounding)
 
-    def decode(self, input_grad: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:
-        r"""
-        decode(input_grad: Tensor, ctx: BlockContext | None = None) -> Tensor
-
-        Dequantizes every group: element value times the group's scale.
-
-        Args:
-            input_grad (Tensor): ``uint8`` wire of whole groups.
-            ctx (BlockContext, optional): ignored. Default: ``None``.
-
-        Returns:
-            Tensor: 1-D float32, ``group_size`` elements per wire group.
-
-        Raises:
-            ValueError: if ``input_grad`` is not ``uint8`` or its length is not
-                a multiple of ``group_size // 2 + 1``.
-        """
-        wire = check_wire(input_grad, torch.uint8, self.block_bytes, "mx4")
+    def _decode_flat(self, wire: torch.Tensor) -> torch.Tensor:
         k = kernels() if wire.device.type == "cpu" else None
         if k is not None:
             groups = wire.numel() // self.block_bytes

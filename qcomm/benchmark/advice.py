@@ -75,10 +75,13 @@ def _models(results: dict[str, Any]) -> dict[str, dict[str, tuple[float, float]]
     # at the largest size. Under a launcher the times are those of the real
     # link: link bytes 0 make the model return them as they are.
     real = results["meta"].get("local") is False
+    # The registry's collectives only: the all-reduce's codec is the DDP hook's.
+    ops = {op.value for op in CommOp}
     points = [
         p
         for p in results["collectives"]
         if p["impl"] == "qcomm"
+        and p["op"] in ops
         and p["pass"] == "fwd"
         and p["status"] == "ok"
         and (real or (p.get("unlimited_s") and p.get("link_bytes") is not None))

@@ -37,13 +37,14 @@ __all__ = [
 ]
 
 # qcomm codec name -> fbgemm SparseType member of the same format. fbgemm's
-# FP8 is e4m3 (with its own exponent bias), so it stands beside fp8_e4m3.
+# FP8 without a row dim (TorchRec's default) is the unscaled 1-4-3 format of
+# bias 15 that fp8_e4m3_tensor reproduces bit for bit.
 #: fbgemm format of each built-in codec name, for the side-by-side rows
 FBGEMM_FORMATS = {
     "fp16": "FP16",
     "bf16": "BF16",
     "int8": "INT8",
-    "fp8_e4m3": "FP8",
+    "fp8_e4m3_tensor": "FP8",
     "mx4": "MX4",
 }
 

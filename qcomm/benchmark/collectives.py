@@ -8,23 +8,35 @@ random tensor every rank draws from the same seed and
 :math:`s_r = 1 + r / n`: inputs differ from rank to rank, yet every rank can
 compute the exact float32 result without qcomm, which is what the decoded
 output is compared with.
+
+Beside the three embedding collectives (:class:`~qcomm.CommOp`), the
+all-reduce of dense gradients (:attr:`DenseOp.ALL_REDUCE`): each rank's whole
+buffer is one gradient bucket, averaged in place by qcomm's DDP hook with each
+codec (:func:`~qcomm.ddp_comm_hook`), by PyTorch's default all-reduce hook and
+by its ``fp16_compress_hook``, all in the same run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from qcomm.benchmark.codecs import Candidate
 from qcomm.types import CommOp, QuantizedCommCodecs
 
 __all__ = [
     "BARE",
+    "PYTORCH_HOOKS",
     "Case",
+    "DenseOp",
     "Series",
+    "add_pytorch_ratios",
+    "all_reduce_series",
     "bare_series",
     "make_case",
     "qcomm_collective",
@@ -32,7 +44,20 @@ __all__ = [
     "torchrec_all_to_all",
 ]
 
-# qcomm's function for each collective; see DESIGN.md for the signatures.
+
+class DenseOp(enum.Enum):
+    r"""
+    The collectives ``qcomm bench`` measures beside the embeddings'
+    :class:`~qcomm.CommOp`: those of dense gradients.
+    """
+
+    ALL_REDUCE = "all_reduce"
+
+
+#: a collective ``qcomm bench`` measures
+BenchOp = CommOp | DenseOp
+
+# qcomm's function for each collective; see docs/api.rst for the signatures.
 _QCOMM_NAMES = {
     CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL: "all_to_all_pooled",
     CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER: "reduce_scatter_pooled",
@@ -46,7 +71,7 @@ class Case:
     One collective at one message size, on this rank.
 
     Args:
-        op (CommOp): the collective.
+        op (CommOp | DenseOp): the collective.
         size_bytes (int): this rank's float32 buffer, the message size ``S``.
         input (Tensor): ``[rows, dim]``, rows split evenly over the ranks.
         expected (Tensor): the exact float32 output on this rank.
@@ -55,7 +80,7 @@ class Case:
         grad (Tensor): the output's gradient, for timing the backward pass.
     """
 
-    op: CommOp
+    op: BenchOp
     size_bytes: int
     input: torch.Tensor
     expected: torch.Tensor
@@ -70,15 +95,17 @@ class Series:
     One implementation with one codec: a line of the bandwidth plot.
 
     Args:
-        impl (str): ``"qcomm"``, ``"torchrec"`` or ``"bare"`` (the backend's
+        impl (str): ``"qcomm"``, ``"torchrec"``, ``"pytorch"`` (PyTorch's DDP
+            hooks, see :data:`PYTORCH_HOOKS`) or ``"bare"`` (the backend's
             own calls on float32, see :data:`BARE`).
         codec (str): the codec's label, ``"none"`` for TorchRec without
-            codecs, the call's name for ``"bare"``.
+            codecs, the call's or hook's name for ``"bare"`` and ``"pytorch"``.
         codecs (QuantizedCommCodecs | None): the codec pair passed, ``None``
             for none.
         call (Callable | None): the collective function, ``None`` if it cannot run.
         error (str | None): why it cannot run.
         chunk_bytes (int | None): qcomm's chunk size, ``None`` for automatic.
+        has_backward (bool): whether the collective has a backward pass.
     """
 
     impl: str
@@ -87,14 +114,16 @@ class Series:
     call: Callable[..., Any] | None
     error: str | None = None
     chunk_bytes: int | None = None
+    has_backward: bool = True
 
     @property
     def label(self) -> str:
         r"""
         label() -> str
 
-        ``codec`` for qcomm, ``torchrec[codec]`` for TorchRec, ``bare:call``
-        for the backend's own calls.
+        ``codec`` for qcomm, ``torchrec[codec]`` for TorchRec,
+        ``pytorch[hook]`` for PyTorch's DDP hooks, ``bare:call`` for the
+        backend's own calls.
         """
         if self.impl == "qcomm":
             return self.codec
@@ -107,9 +136,10 @@ class Series:
         r"""
         differentiable() -> bool
 
-        Whether the series has a backward pass to time (the bare calls have none).
+        Whether the series has a backward pass to time (the bare calls and
+        the all-reduce have none).
         """
-        return self.impl != "bare"
+        return self.impl != "bare" and self.has_backward
 
 
 def base_input(size_bytes: int, *, world_size: int, dim: int, seed: int) -> torch.Tensor:
@@ -141,15 +171,16 @@ def base_input(size_bytes: int, *, world_size: int, dim: int, seed: int) -> torc
 
 
 def make_case(
-    op: CommOp, base: torch.Tensor, *, rank: int, world_size: int, device: torch.device
+    op: BenchOp, base: torch.Tensor, *, rank: int, world_size: int, device: torch.device
 ) -> Case:
     r"""
-    make_case(op: CommOp, base: Tensor, *, rank: int, world_size: int, device: torch.device) -> Case
+    make_case(op: CommOp | DenseOp, base: Tensor, *, rank: int, world_size: int, device: torch.device) -> Case
 
-    This rank's input of ``op`` and the exact output it must receive.
+    This rank's input of ``op`` and the exact output it must receive (for the
+    all-reduce: the average over the ranks, as DDP's hooks take it).
 
     Args:
-        op (CommOp): the collective.
+        op (CommOp | DenseOp): the collective.
         base (Tensor): the shared tensor from ``base_input``.
         rank (int): this rank.
         world_size (int): number of ranks.
@@ -172,7 +203,9 @@ def make_case(
     scales = [1.0 + r / world_size for r in range(world_size)]
     mine = base[rank * per : (rank + 1) * per]
     received = [mine * s for s in scales]  # what rank r sends to this rank
-    if op is CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL:
+    if op is DenseOp.ALL_REDUCE:
+        expected = base * (sum(scales) / world_size)
+    elif op is CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL:
         expected = torch.cat(received, dim=1)
     elif op is CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER:
         expected = received[0]
@@ -288,6 +321,138 @@ def bare_series(op: CommOp, name: str) -> Series:
     return Series("bare", name, None, call)
 
 
+class _Bucket:
+    """What DDP hands a communication hook: here each rank's whole buffer."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._buffer]
+
+
+#: PyTorch's own DDP communication hooks measured beside qcomm's on the
+#: all-reduce: ``allreduce_hook`` is what DDP does without a hook (divide,
+#: then the backend's all-reduce); ``fp16_compress_hook`` casts to float16 and
+#: all-reduces that.
+PYTORCH_HOOKS = ("allreduce_hook", "fp16_compress_hook")
+
+
+def _pytorch_hook(name: str) -> Callable[[Case, Any], torch.Tensor]:
+    """A series' call running PyTorch's DDP hook ``name`` on the case's buffer."""
+    hooks = importlib.import_module("torch.distributed.algorithms.ddp_comm_hooks.default_hooks")
+    hook = getattr(hooks, name)
+
+    def call(case: Case, group: Any) -> torch.Tensor:
+        hook(group, _Bucket(case.input.view(-1))).wait()
+        return case.input
+
+    return call
+
+
+def _qcomm_hook(codecs: QuantizedCommCodecs, chunk_bytes: int | None) -> Callable[..., Any]:
+    """A series' call running qcomm's DDP hook with ``codecs`` on the case's buffer."""
+    from qcomm.ddp import DDPCommHookState, all_reduce_hook
+
+    def call(case: Case, group: Any) -> torch.Tensor:
+        state = DDPCommHookState(
+            codecs.forward, gather=codecs.backward, process_group=group, chunk_bytes=chunk_bytes
+        )
+        all_reduce_hook(state, _Bucket(case.input.view(-1))).wait()  # type: ignore[arg-type]
+        return case.input
+
+    return call
+
+
+def all_reduce_series(candidates: list[Candidate], chunk_bytes: int | None) -> list[Series]:
+    r"""
+    all_reduce_series(candidates: list[Candidate], chunk_bytes: int | None) -> list[Series]
+
+    The lines of the all-reduce: qcomm's DDP hook with each codec, PyTorch's
+    hooks (:data:`PYTORCH_HOOKS`), and ``bare:p2p``: every peer's block sent
+    and received at once, twice over (what a reduce-scatter and an
+    all-gather of float32 move, at what the link allows).
+
+    Each call averages the case's input in place, as a hook does a bucket.
+
+    Args:
+        candidates (list[Candidate]): qcomm's codecs, loaded or not.
+        chunk_bytes (int | None): qcomm's chunk size, ``None`` for automatic.
+
+    Returns:
+        list[Series]: qcomm's, PyTorch's, then the bare exchange.
+    """
+    lines = []
+    for c in candidates:
+        if c.codec is None:
+            error = f"codec failed to load: {c.error}"
+            lines.append(Series("qcomm", c.label, None, None, error, has_backward=False))
+            continue
+        pair = QuantizedCommCodecs(forward=c.codec, backward=c.codec)
+        call = _qcomm_hook(pair, chunk_bytes)
+        lines.append(Series("qcomm", c.label, pair, call, None, chunk_bytes, has_backward=False))
+    for name in PYTORCH_HOOKS:
+        lines.append(Series("pytorch", name, None, _pytorch_hook(name), has_backward=False))
+
+    kept: dict[int, torch.Tensor] = {}
+
+    def twice(case: Case, group: Any) -> torch.Tensor:
+        out = kept.get(case.size_bytes)
+        if out is None:
+            kept.clear()
+            out = kept[case.size_bytes] = torch.empty_like(case.input)
+        _bare_p2p(case, group, out)
+        return _bare_p2p(case, group, out)
+
+    lines.append(Series("bare", "p2p", None, twice))
+    return lines
+
+
+def add_pytorch_ratios(points: list[dict[str, Any]]) -> None:
+    r"""
+    add_pytorch_ratios(points: list[dict[str, Any]]) -> None
+
+    Adds to every point of the all-reduce ``vs_<hook>`` for each of
+    :data:`PYTORCH_HOOKS`: that hook's time over the point's, at the same
+    size and pass in the same run (``None`` where either failed).
+
+    Args:
+        points (list[dict[str, Any]]): the report's rows.
+
+    Examples::
+
+        >>> rows = [
+        ...     {"op": "all_reduce", "size_bytes": 8, "pass": "fwd", "label": label,
+        ...      "status": "ok", "latency_s": t}
+        ...     for label, t in [("int8", 1.0), ("pytorch[allreduce_hook]", 3.0),
+        ...                      ("pytorch[fp16_compress_hook]", 1.5)]
+        ... ]
+        >>> add_pytorch_ratios(rows)
+        >>> rows[0]["vs_allreduce_hook"], rows[0]["vs_fp16_compress_hook"]
+        (3.0, 1.5)
+    """
+    ours = [p for p in points if p["op"] == DenseOp.ALL_REDUCE.value]
+    times = {
+        (p["size_bytes"], p["pass"], p["label"]): p["latency_s"]
+        for p in ours
+        if p["status"] == "ok"
+    }
+    for p in ours:
+        for name in PYTORCH_HOOKS:
+            theirs = times.get((p["size_bytes"], p["pass"], f"pytorch[{name}]"))
+            ok = theirs is not None and p["status"] == "ok"
+            p[f"vs_{name}"] = theirs / p["latency_s"] if ok else None
+
+
 def run_series(series: Series, case: Case, group: Any, backward: bool = False) -> torch.Tensor:
     r"""
     run_series(series: Series, case: Case, group: Any, backward: bool = False) -> Tensor
@@ -311,7 +476,7 @@ def run_series(series: Series, case: Case, group: Any, backward: bool = False) -
     """
     if series.call is None:
         raise RuntimeError(series.error or f"{series.label} cannot run")
-    if series.impl == "bare":
+    if series.impl == "bare" or case.op is DenseOp.ALL_REDUCE:
         return series.call(case, group)  # type: ignore[no-any-return]
     world_size = case.input.shape[0] // case.rows_per_rank
     splits = [case.rows_per_rank] * world_size

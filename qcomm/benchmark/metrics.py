@@ -62,11 +62,12 @@ def algorithm_bandwidth(size_bytes: float, seconds: float) -> float:
     return size_bytes / seconds
 
 
-def bus_bandwidth(algbw: float, world_size: int) -> float:
+def bus_bandwidth(algbw: float, world_size: int, *, all_reduce: bool = False) -> float:
     r"""
-    bus_bandwidth(algbw: float, world_size: int) -> float
+    bus_bandwidth(algbw: float, world_size: int, *, all_reduce: bool = False) -> float
 
-    nccl-tests' bus bandwidth of an all-to-all or a reduce-scatter.
+    nccl-tests' bus bandwidth of an all-to-all or a reduce-scatter, or of an
+    all-reduce.
 
     nccl-tests (``doc/PERFORMANCE.md``, "Bus bandwidth") corrects the
     algorithm bandwidth by what each rank's link must carry: of the :math:`S`
@@ -78,12 +79,18 @@ def bus_bandwidth(algbw: float, world_size: int) -> float:
         \text{busbw} = \text{algbw} \cdot \frac{n - 1}{n}
 
     (the same factor nccl-tests lists for AlltoAll and ReduceScatter), which
-    compares with the hardware's link speed whatever :math:`n` is. All three
-    collectives of ``qcomm bench`` are of these two kinds.
+    compares with the hardware's link speed whatever :math:`n` is. The three
+    embedding collectives of ``qcomm bench`` are of these two kinds. An
+    all-reduce is a reduce-scatter and an all-gather, twice the traffic:
+
+    .. math::
+
+        \text{busbw} = \text{algbw} \cdot \frac{2 (n - 1)}{n}
 
     Args:
         algbw (float): the algorithm bandwidth, bytes per second.
         world_size (int): :math:`n`, the number of ranks.
+        all_reduce (bool, optional): the all-reduce's factor. Default: ``False``.
 
     Returns:
         float: bytes per second; ``0`` on a single rank, where nothing travels.
@@ -93,14 +100,14 @@ def bus_bandwidth(algbw: float, world_size: int) -> float:
 
     Examples::
 
-        >>> bus_bandwidth(8.0, 2)
-        4.0
-        >>> bus_bandwidth(8.0, 8)
-        7.0
+        >>> bus_bandwidth(8.0, 2), bus_bandwidth(8.0, 8)
+        (4.0, 7.0)
+        >>> bus_bandwidth(8.0, 2, all_reduce=True), bus_bandwidth(8.0, 8, all_reduce=True)
+        (8.0, 14.0)
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size!r}")
-    return algbw * (world_size - 1) / world_size
+    return algbw * (2 if all_reduce else 1) * (world_size - 1) / world_size
 
 
 def break_even_bandwidth(

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Any
 
-from qcomm.registry import parse_codec_spec
+from qcomm.benchmark.collectives import BenchOp, DenseOp
+from qcomm.registry import parse_codec_spec, split_codec_specs
 from qcomm.types import CodecError, CommOp
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "QUICK_SIZES",
     "BenchConfig",
     "format_size",
+    "parse_number",
     "parse_ops",
     "parse_size",
     "parse_sizes",
@@ -38,10 +41,11 @@ OP_TITLES = {
     CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.value: "pooled all-to-all",
     CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value: "reduce-scatter",
     CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value: "sequence all-to-all",
+    DenseOp.ALL_REDUCE.value: "all-reduce (DDP hook)",
 }
 
 # Short names accepted beside the CommOp names and values.
-_OP_ALIASES = {
+_OP_ALIASES: dict[str, BenchOp] = {
     "pooled": CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL,
     "pooled_all_to_all": CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL,
     "a2a": CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL,
@@ -50,6 +54,9 @@ _OP_ALIASES = {
     "sequence": CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL,
     "sequence_all_to_all": CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL,
     "seq": CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL,
+    "all_reduce": DenseOp.ALL_REDUCE,
+    "ar": DenseOp.ALL_REDUCE,
+    "ddp": DenseOp.ALL_REDUCE,
 }
 
 
@@ -79,6 +86,55 @@ def parse_size(text: str) -> int:
     if not match or int(match.group(1)) <= 0:
         raise ValueError(f"--sizes: expected a positive size like 64K, 1M or 65536, got {text!r}")
     return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def parse_number(
+    text: str, option: str, kind: type[float] | type[int], low: float, high: float
+) -> Any:
+    r"""
+    parse_number(text: str, option: str, kind: type[float] | type[int], low: float, high: float) -> float | int
+
+    A number of an option, held to a range the run can honour: a timeout of
+    ``inf`` or a seed of ``1e23`` would otherwise fail deep inside a rank.
+
+    Args:
+        text (str): what the user typed.
+        option (str): the option's name, for the message, e.g. ``"--timeout"``.
+        kind (type): ``float`` or ``int`` (a whole number; ``1e3`` is refused).
+        low (float): the smallest value accepted.
+        high (float): the largest value accepted.
+
+    Returns:
+        float | int: the value, of ``kind``.
+
+    Raises:
+        ValueError: if ``text`` is not a finite number of ``kind`` from
+            ``low`` to ``high``; the message names ``option``.
+
+    Examples::
+
+        >>> parse_number("2.5", "--budget", float, 1e-4, 3600)
+        2.5
+        >>> parse_number("inf", "--timeout", float, 0.1, 86400)
+        Traceback (most recent call last):
+        ...
+        ValueError: --timeout: expected a number from 0.1 to 86400 (seconds), got 'inf'
+    """
+    what = "a whole number" if kind is int else "a number"
+    unit = f" ({_UNITS_OF.get(option)})" if option in _UNITS_OF else ""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or not low <= value <= high:
+        shown = [str(int(v)) if kind is int else f"{v:g}" for v in (low, high)]
+        raise ValueError(
+            f"{option}: expected {what} from {shown[0]} to {shown[1]}{unit}, got {text!r}"
+        )
+    return value
+
+
+_UNITS_OF = {"--timeout": "seconds", "--budget": "seconds", "--link-gbps": "Gbit/s"}
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -135,13 +191,10 @@ def split_codec_list(text: str) -> list[str]:
     r"""
     split_codec_list(text: str) -> list[str]
 
-    Splits a list of codec specs, whose options also use commas.
-
-    ``;`` always separates specs. Within a ``;``-part, a comma-separated item
-    of the form ``key=value`` (an ``=`` with no ``:`` before it) is one more
-    option of the spec before it; any other item (``name`` or
-    ``name:key=value``) starts a new spec. Codec names hold no ``=`` and option
-    names no ``:``, so this reading is the only one possible.
+    Splits the list of codec specs of ``--codecs``, whose options also use
+    commas, as ``qcomm.registry.split_codec_specs`` does for
+    ``QCOMM_CODECS`` too: ``;`` always separates, and an item ``key=value``
+    is one more option of the spec before it.
 
     Args:
         text (str): e.g. ``"int8:row_dim=64,stochastic=true,fp16"``.
@@ -152,51 +205,38 @@ def split_codec_list(text: str) -> list[str]:
 
     Raises:
         CodecError: if the list starts with a bare option, or a spec is
-            malformed (see :func:`~qcomm.parse_codec_spec`).
+            malformed (see :func:`~qcomm.parse_codec_spec`); the message
+            names ``--codecs``.
 
     Examples::
 
         >>> split_codec_list("int8:row_dim=64,stochastic=true,fp16;mx4")
         ['int8:row_dim=64,stochastic=true', 'fp16', 'mx4']
     """
-    specs: list[str] = []
-    for part in text.split(";"):
-        current: list[str] = []
-        for item in (p.strip() for p in part.split(",")):
-            if not item:
-                continue
-            head = item.partition("=")[0]
-            if "=" in item and ":" not in head:
-                if not current:
-                    raise CodecError(
-                        f"--codecs: option {item!r} in {text!r} comes before any codec name; "
-                        f"expected e.g. 'int8:row_dim=64,fp16'"
-                    )
-                current.append(item)
-                continue
-            if current:
-                specs.append(",".join(current))
-            current = [item]
-        if current:
-            specs.append(",".join(current))
-    for spec in specs:
-        parse_codec_spec(spec)  # raises on a malformed spec, naming it
+    try:
+        specs = split_codec_specs(text)
+        for spec in specs:
+            parse_codec_spec(spec)  # raises on a malformed spec, naming it
+    except CodecError as err:
+        raise CodecError(f"--codecs: {err}") from None
     return specs
 
 
-def parse_ops(text: str) -> list[CommOp]:
+def parse_ops(text: str) -> list[BenchOp]:
     r"""
-    parse_ops(text: str) -> list[CommOp]
+    parse_ops(text: str) -> list[CommOp | DenseOp]
 
     A comma-separated list of collectives: :class:`~qcomm.CommOp` names or
     values, or the short names ``pooled`` (``a2a``), ``reduce_scatter``
-    (``rs``) and ``sequence`` (``seq``).
+    (``rs``) and ``sequence`` (``seq``); and ``all_reduce`` (``ar``,
+    ``ddp``), the DDP hook's all-reduce of dense gradients.
 
     Args:
         text (str): e.g. ``"pooled,rs"``.
 
     Returns:
-        list[CommOp]: in :class:`~qcomm.CommOp` order, repeats dropped.
+        list[CommOp | DenseOp]: in :class:`~qcomm.CommOp` order, then the
+        all-reduce; repeats dropped.
 
     Raises:
         ValueError: if an item names no collective, or the list is empty.
@@ -206,7 +246,7 @@ def parse_ops(text: str) -> list[CommOp]:
         >>> [op.name for op in parse_ops("seq,pooled")]
         ['POOLED_EMBEDDINGS_ALL_TO_ALL', 'SEQUENCE_EMBEDDINGS_ALL_TO_ALL']
     """
-    chosen = set()
+    chosen: set[BenchOp] = set()
     for item in (p.strip() for p in text.split(",")):
         if not item:
             continue
@@ -222,7 +262,7 @@ def parse_ops(text: str) -> list[CommOp]:
         chosen.add(op)
     if not chosen:
         raise ValueError(f"--ops: expected collectives like pooled,rs,seq, got {text!r}")
-    return [op for op in CommOp if op in chosen]
+    return [op for op in [*CommOp, *DenseOp] if op in chosen]
 
 
 @dataclasses.dataclass
@@ -236,7 +276,8 @@ class BenchConfig:
             discovered codec. The no-op codec is always measured first: it is
             the baseline of every speed-up.
         sizes (list[int]): message sizes in bytes: each rank's float32 buffer.
-        ops (list[str]): :class:`~qcomm.CommOp` values of the collectives.
+        ops (list[str]): :class:`~qcomm.CommOp` values of the collectives, and
+            ``"all_reduce"`` for the DDP hook's all-reduce.
         world_size (int): ranks to spawn locally (ignored under a launcher).
         quick (bool): the smoke-test settings.
         json_path (str | None): where to write every figure.
@@ -314,10 +355,12 @@ class BenchConfig:
         return cls(**data)
 
     @property
-    def comm_ops(self) -> list[CommOp]:
+    def comm_ops(self) -> list[BenchOp]:
         r"""
-        comm_ops() -> list[CommOp]
+        comm_ops() -> list[CommOp | DenseOp]
 
-        :attr:`ops` as :class:`~qcomm.CommOp` members.
+        :attr:`ops` as :class:`~qcomm.CommOp` (or
+        :class:`~qcomm.benchmark.collectives.DenseOp`) members.
         """
-        return [CommOp.parse(op) for op in self.ops]
+        dense = {op.value: op for op in DenseOp}
+        return [dense[op] if op in dense else CommOp.parse(op) for op in self.ops]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -233,6 +235,32 @@ def _detail_tables(results: dict[str, Any]) -> list[str]:
     return tables
 
 
+def _against_pytorch(results: dict[str, Any]) -> list[str]:
+    # qcomm's DDP hook against PyTorch's own hooks, at the largest size of
+    # the all-reduce, all from this run.
+    points = [
+        p
+        for p in results["collectives"]
+        if p["op"] == "all_reduce" and p["impl"] == "qcomm" and p["status"] == "ok"
+    ]
+    if not points:
+        return []
+    size = max(p["size_bytes"] for p in points)
+    lines = [
+        f"All-reduce, {format_size(size)} per rank: qcomm's DDP hook against PyTorch's, "
+        f"same run (their time over qcomm's):"
+    ]
+    for p in points:
+        if p["size_bytes"] == size and p["pass"] == "fwd":
+            ratios = [p.get("vs_allreduce_hook"), p.get("vs_fp16_compress_hook")]
+            shown = ["-" if r is None else f"x{r:.2f}" for r in ratios]
+            lines.append(
+                f"  {p['label']}: {_ms(p['latency_s'])} ms; {shown[0]} against allreduce_hook "
+                f"(DDP's default), {shown[1]} against fp16_compress_hook"
+            )
+    return lines
+
+
 def _gbit(value: float | None) -> str:
     if value is None:
         return "-"
@@ -362,6 +390,9 @@ def format_report(results: dict[str, Any]) -> str:
         lines += ["", table]
     for table in _detail_tables(results):
         lines += ["", table]
+    against = _against_pytorch(results)
+    if against:
+        lines += ["", *against]
     advice = _advice(results)
     if advice:
         lines += ["", *advice]
@@ -626,6 +657,10 @@ def write_report(
 
     Prints the table on stdout and writes the JSON and the plot if asked.
 
+    The paths are checked before the run starts; should the JSON file still
+    fail to be written (its folder removed meanwhile, a full disk), the figures
+    go to a temporary file instead, named on stderr, rather than being lost.
+
     Args:
         results (dict[str, Any]): the run's figures.
         json_path (str, optional): where to write them all. Default: ``None``.
@@ -633,11 +668,20 @@ def write_report(
     """
     print(format_report(results), flush=True)
     if json_path:
-        data = jsonable({**results, "units": UNITS})
-        with open(json_path, "w") as f:
-            json.dump(data, f, indent=2, allow_nan=False)
-            f.write("\n")
-        print(f"figures written to {json_path}", file=sys.stderr)
+        text = json.dumps(jsonable({**results, "units": UNITS}), indent=2, allow_nan=False)
+        try:
+            with open(json_path, "w") as f:
+                f.write(text + "\n")
+            print(f"figures written to {json_path}", file=sys.stderr)
+        except OSError as err:
+            fd, fallback = tempfile.mkstemp(prefix="qcomm-bench-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(text + "\n")
+            print(
+                f"could not write {json_path}: {err.strerror or err}; "
+                f"figures written to {fallback} instead",
+                file=sys.stderr,
+            )
     if plot_path:
         write_plot(results, plot_path)
         print(f"plot written to {plot_path}", file=sys.stderr)

@@ -19,6 +19,7 @@ import dataclasses
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -31,8 +32,12 @@ import qcomm
 from qcomm.benchmark.codecs import FBGEMM_FORMATS, Candidate, load_candidates, measure_codec
 from qcomm.benchmark.collectives import (
     BARE,
+    BenchOp,
     Case,
+    DenseOp,
     Series,
+    add_pytorch_ratios,
+    all_reduce_series,
     bare_series,
     base_input,
     make_case,
@@ -87,15 +92,18 @@ class _Progress:
             self._bar.close()
 
 
+_ECHO = re.compile(r"timed out|\brank \d+ failed", re.IGNORECASE)
+
+
 def _failure(gathered: list[tuple[bool, Any]]) -> str | None:
     messages = [(rank, str(msg)) for rank, (ok, msg) in enumerate(gathered) if not ok]
     if not messages:
         return None
     if len({msg for _, msg in messages}) == 1 and len(messages) == len(gathered):
         return messages[0][1]
-    # A rank that fails makes its peers time out in the collective: name the
-    # cause first, the timeouts after it.
-    messages.sort(key=lambda item: "timed out" in item[1].lower())
+    # A rank that fails makes its peers time out in the collective, or raise
+    # naming it: the cause first, its echoes after it.
+    messages.sort(key=lambda item: bool(_ECHO.search(item[1])))
     return "; ".join(f"rank {rank}: {msg}" for rank, msg in messages)
 
 
@@ -187,7 +195,7 @@ def _codec_row(
 
 def _build_series(
     config: BenchConfig, session: Session, candidates: list[Candidate]
-) -> tuple[dict[CommOp, list[Series]], str | None]:
+) -> tuple[dict[BenchOp, list[Series]], str | None]:
     qcomm_codecs = [c for c in candidates if c.source == "qcomm"]
     fbgemm_codecs = [c for c in candidates if c.source == "fbgemm"]
     torchrec_reason: str | None = None
@@ -195,8 +203,11 @@ def _build_series(
     if config.fbgemm and CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL in config.comm_ops:
         torchrec_fn, problem = _agreed_here(session, torchrec_all_to_all)
         torchrec_reason = f"TorchRec is not importable: {problem}" if problem else None
-    series: dict[CommOp, list[Series]] = {}
+    series: dict[BenchOp, list[Series]] = {}
     for op in config.comm_ops:
+        if op is DenseOp.ALL_REDUCE:
+            series[op] = all_reduce_series(qcomm_codecs, config.chunk_bytes)
+            continue
         fn, problem = _agreed_here(session, lambda op=op: qcomm_collective(op))  # type: ignore[misc]
         lines = [_series("qcomm", c, fn, problem, config.chunk_bytes) for c in qcomm_codecs]
         if op is CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL and config.fbgemm:
@@ -294,6 +305,7 @@ def _finish_row(entry: _Entry, world_size: int) -> dict[str, Any]:
         return row
     latency = statistics.median(entry.samples)
     algbw = algorithm_bandwidth(entry.case.size_bytes, latency)
+    dense = entry.case.op is DenseOp.ALL_REDUCE
     row.update(
         calls=entry.calls * len(entry.samples),
         latency_s=latency,
@@ -302,7 +314,7 @@ def _finish_row(entry: _Entry, world_size: int) -> dict[str, Any]:
         samples_s=list(entry.samples),
         spread=relative_spread(entry.samples),
         algbw_GBps=algbw / GB,
-        busbw_GBps=bus_bandwidth(algbw, world_size) / GB,
+        busbw_GBps=bus_bandwidth(algbw, world_size, all_reduce=dense) / GB,
     )
     return row
 
@@ -361,7 +373,7 @@ def _measure_codecs(
 def _measure_collectives(
     config: BenchConfig,
     session: Session,
-    series: dict[CommOp, list[Series]],
+    series: dict[BenchOp, list[Series]],
     progress: _Progress,
     note: str = "",
 ) -> list[dict[str, Any]]:
@@ -416,7 +428,7 @@ def _measure_collectives(
 
 
 def _unlimited(
-    config: BenchConfig, session: Session, series: dict[CommOp, list[Series]], progress: _Progress
+    config: BenchConfig, session: Session, series: dict[BenchOp, list[Series]], progress: _Progress
 ) -> dict[tuple[str, int, str, str], float]:
     # qcomm's series again with the emulated link's rate limit lifted: each
     # call's time when the link is not the limit, which the model of
@@ -475,6 +487,8 @@ def _add_comparisons(
         if ratio and world_size > 1:
             # The backward pass sends as much again, the other way round.
             transfers = 2 if p["pass"] == "fwd+bwd" else 1
+            if p["op"] == DenseOp.ALL_REDUCE.value:  # a reduce-scatter and an all-gather
+                transfers *= 2
             crossing = transfers * p["size_bytes"] * (world_size - 1) / world_size
             p["link_bytes"] = crossing / ratio / efficiency
             if rate:
@@ -621,6 +635,7 @@ def run_rank(config: BenchConfig, session: Session) -> int:
     finally:
         progress.close()
     _add_comparisons(points, codec_rows, link, session.world_size, unlimited)
+    add_pytorch_ratios(points)
     if session.rank != 0:
         return 0
     meta = _meta(config, session, started, time.perf_counter() - clock)

@@ -23,6 +23,8 @@ from qcomm.types import (
     read_quantized_dtype,
 )
 
+# Split entries must fit in a tensor's int64 sizes.
+_MAX_SPLIT = 1 << 63
 _CODEC_MEMBERS = (
     "encode",
     "decode",
@@ -105,6 +107,8 @@ def check_input(input: Any, name: str, group: dist.ProcessGroup, ndim: int | Non
         )
     if input.dim() < 1:
         raise ValueError(f"{name}: expected at least 1 dimension, got a 0-D tensor")
+    if input.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
     backend = str(dist.get_backend(group)).lower()
     # NCCL moves only CUDA memory; handing it a CPU tensor fails deep inside
     # the backend (or hangs the peers), so say so here.
@@ -152,8 +156,12 @@ def check_splits(
             value = operator.index(s)
         except TypeError:
             raise TypeError(f"{name}[{i}]: expected an int, got {type(s).__name__} {s!r}") from None
-        if value < 0:
-            raise ValueError(f"{name}[{i}]: expected a non-negative int, got {value}")
+        if not 0 <= value < _MAX_SPLIT:
+            raise ValueError(
+                f"{name}[{i}]: expected a non-negative int below 2**63, got {value}"
+                if value >= 0
+                else f"{name}[{i}]: expected a non-negative int, got {value}"
+            )
         out.append(value)
     if len(out) != world_size:
         raise ValueError(

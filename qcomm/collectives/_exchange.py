@@ -32,8 +32,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from qcomm.collectives import _header
+from qcomm.collectives._describe import fingerprint
 from qcomm.collectives._transport import Transport
 from qcomm.collectives._wire import (
     checked_decode,
@@ -42,7 +45,7 @@ from qcomm.collectives._wire import (
     quantized_sizes,
     wire_dtype,
 )
-from qcomm.types import CodecInfo, NoOpQuantizedCommCodec
+from qcomm.types import CodecError, CodecInfo, NoOpQuantizedCommCodec
 
 # Automatic chunking: a region of at most _SMALL elements travels whole;
 # larger ones in up to _MAX_CHUNKS chunks of at least _SMALL elements. More
@@ -273,12 +276,15 @@ def start_exchange(
     dtype: torch.dtype,
     chunk_bytes: int | None,
     add: bool = False,
+    call: str = "",
 ) -> Callable[[], None]:
     r"""
-    start_exchange(sends: Sequence[tuple[list[int], Region]], recvs: Sequence[tuple[int, Region]], codec: Any, ctx: Any, transport: Transport, dtype: torch.dtype, chunk_bytes: int | None, add: bool = False) -> Callable[[], None]
+    start_exchange(sends: Sequence[tuple[list[int], Region]], recvs: Sequence[tuple[int, Region]], codec: Any, ctx: Any, transport: Transport, dtype: torch.dtype, chunk_bytes: int | None, add: bool = False, call: str = "") -> Callable[[], None]
 
-    Declares every receive, then encodes and sends every chunk; returns the
-    function that receives and decodes.
+    Encodes the first chunk, exchanges headers with every peer (where the
+    transport is checked, see ``_header``), declares every receive, then
+    encodes and sends every chunk; returns the function that receives and
+    decodes.
 
     Args:
         sends (Sequence[tuple[list[int], Region]]): each region with the peers it
@@ -291,10 +297,16 @@ def start_exchange(
         chunk_bytes (int, optional): the chunk size; see :func:`chunk_elements`.
         add (bool, optional): add the decoded values to the result instead
             of storing them. Default: ``False``.
+        call (str, optional): the collective and pass, for headers and
+            messages. Default: ``""``.
 
     Returns:
         Callable[[], None]: waits for every receive, decodes it into its
         region, waits for the sends and closes the transport.
+
+    Raises:
+        CodecError: if the ranks' headers disagree, a peer failed, or the
+            codec fails; every rank of the call raises, none waits.
     """
     align = _alignment(codec, transport)
     identity = _identity(codec, dtype)
@@ -306,58 +318,178 @@ def start_exchange(
             return [(0, region.length)]
         return region.chunks(align, chunk_elements(region.length, chunk_bytes))
 
-    pending = []
-    for peer, region in recvs:
-        for start, stop in cut(region):
-            (size,) = quantized_sizes(codec, ctx, [stop - start])
-            into = region.target(start, stop) if identity and not add else None
-            if into is not None and not into.is_contiguous():
-                into = None
-            handle = transport.expect(peer, size, wdtype, into)
-            pending.append((handle, region, start, stop))
+    def size_of(start: int, stop: int) -> int:
+        return quantized_sizes(codec, ctx, [stop - start])[0]
 
-    def encode(region: Region, start: int, stop: int) -> torch.Tensor:
+    incoming = [
+        (peer, region, a, b, size_of(a, b)) for peer, region in recvs for a, b in cut(region)
+    ]
+    outgoing = [
+        (peers, region, a, b, size_of(a, b)) for peers, region in sends for a, b in cut(region)
+    ]
+
+    def encode(region: Region, start: int, stop: int, size: int) -> torch.Tensor:
         chunk = region.read(start, stop)
         if identity:
             return chunk
-        (size,) = quantized_sizes(codec, ctx, [stop - start])
         return checked_encode(codec, ctx, encodable(chunk, codec), size, wdtype)
 
-    outgoing = [(peers, region, a, b) for peers, region in sends for a, b in cut(region)]
-    # The first chunk is encoded before anything is posted: a codec that
-    # fails on every call fails here, and the group stays in step.
-    first = encode(*outgoing[0][1:]) if outgoing else None
+    peers = [p for p in range(dist.get_world_size(transport.group)) if p != transport.rank]
+    checked = transport.checked and bool(peers)
+    # A trailer tells a peer that this rank failed after its header went
+    # out: a codec failing on a later chunk, or a disagreement with a third
+    # rank. Between two ranks sending one chunk each, neither can happen
+    # (the chunk is encoded before the header): no trailer, one message less.
+    trailed = checked and (len(peers) > 1 or len(outgoing) > 1 or len(incoming) > 1)
+    # The first chunk is encoded before anything is posted where no trailer
+    # could tell a failure: a codec that fails here fails before any peer
+    # waits for this rank. Else it is encoded while the headers travel.
+    first = encode(*outgoing[0][1:]) if outgoing and not trailed else None
+    headers = _announce(peers, incoming, outgoing, codec, dtype, transport, call) if checked else {}
+    # Receives are posted at once, as this rank expects them (its headers
+    # say so); a peer sends its data only once it has read them.
+    pending = []
+    for peer, region, start, stop, size in incoming:
+        into = region.target(start, stop) if identity and not add else None
+        if into is not None and not into.is_contiguous():
+            into = None
+        pending.append((peer, transport.expect(peer, size, wdtype, into), region, start, stop))
+    trailers = {p: transport.expect_control(p) for p in peers} if trailed else {}
     transport.start()
+    failure: Exception | None = None
     try:
-        for i, (peers, region, start, stop) in enumerate(outgoing):
-            wire = first if i == 0 and first is not None else encode(region, start, stop)
-            for peer in peers:
+        if outgoing and first is None:
+            try:
+                first = encode(*outgoing[0][1:])
+            except Exception as err:
+                failure = err
+        agreed, disagreement = _check(headers, transport, call) if checked else (set(peers), None)
+        failure = failure or disagreement
+        for i, (to, region, start, stop, size) in enumerate(outgoing):
+            targets = [p for p in to if p in agreed]
+            if not targets:
+                continue
+            if failure is None:
+                try:
+                    wire = (
+                        first if i == 0 and first is not None else encode(region, start, stop, size)
+                    )
+                except Exception as err:
+                    failure = err
+            if failure is not None:
+                # The peers have posted receives of this size: fill them.
+                wire = torch.zeros(size, dtype=wdtype, device=transport.device)
+            for peer in targets:
                 transport.send(peer, wire)
+        if trailed:
+            blob = (_header.fail(call, failure) if failure else _header.Header(_header.OK)).pack()
+            for peer in agreed:
+                transport.send_control(peer, blob)
         transport.flush()
     except BaseException:
         transport.abandon()
         raise
+    if failure is not None:
+        transport.abandon()
+        raise failure
+    pending = [item for item in pending if item[0] in agreed]
+    trailers = {p: h for p, h in trailers.items() if p in agreed}
+
+    def trailer_problems(of: list[int]) -> str | None:
+        said = [
+            f"rank {p}: {text}"
+            for p in of
+            for text in _header.problems(
+                _header.Header(_header.OK), p, transport.rank, transport.control(trailers[p])
+            )
+        ]
+        if not said:
+            return None
+        return f"{call}: a peer failed during the call, so this rank's result is void ({'; '.join(said)})"
 
     def finish() -> None:
         try:
-            for handle, region, start, stop in pending:
-                wire = transport.received(handle)
-                target = region.target(start, stop)
-                if identity:
-                    if target is None or wire.data_ptr() != target.data_ptr():
-                        region.write(start, stop, wire, add)
-                elif (
-                    decode_into is not None
-                    and not add
-                    and target is not None
-                    and target.dtype == torch.float32
-                ):
-                    checked_decode(codec, ctx, wire, stop - start, into=target)
-                else:
-                    region.write(start, stop, checked_decode(codec, ctx, wire, stop - start), add)
+            for peer, handle, region, start, stop in pending:
+                try:
+                    wire = transport.received(handle)
+                    _decode(wire, region, start, stop)
+                except Exception:
+                    # A peer that failed half-way sent zeros: say so rather
+                    # than what decoding them did.
+                    if peer in trailers and (why := trailer_problems([peer])):
+                        raise CodecError(why) from None
+                    raise
+            why = trailer_problems(sorted(trailers))
+            if why:
+                raise CodecError(why)
         except BaseException:
             transport.abandon()
             raise
         transport.close()
 
+    def _decode(wire: torch.Tensor, region: Region, start: int, stop: int) -> None:
+        target = region.target(start, stop)
+        if identity:
+            if target is None or wire.data_ptr() != target.data_ptr():
+                region.write(start, stop, wire, add)
+        elif (
+            decode_into is not None
+            and not add
+            and target is not None
+            and target.dtype == torch.float32
+        ):
+            checked_decode(codec, ctx, wire, stop - start, into=target)
+        else:
+            region.write(start, stop, checked_decode(codec, ctx, wire, stop - start), add)
+
     return finish
+
+
+def _announce(
+    peers: list[int],
+    incoming: list[tuple[int, Region, int, int, int]],
+    outgoing: list[tuple[list[int], Region, int, int, int]],
+    codec: Any,
+    dtype: torch.dtype,
+    transport: Transport,
+    call: str,
+) -> dict[int, tuple[_header.Header, Any]]:
+    """Sends this rank's header to every peer and posts theirs."""
+    sends: dict[int, list[Any]] = {p: [0, []] for p in peers}
+    expects: dict[int, list[Any]] = {p: [0, []] for p in peers}
+    for to, _, start, stop, size in outgoing:
+        for p in to:
+            sends[p][0] += stop - start
+            sends[p][1].append(size)
+    for p, _, start, stop, size in incoming:
+        expects[p][0] += stop - start
+        expects[p][1].append(size)
+    print_, name = fingerprint(codec)
+    headers = {}
+    for p in peers:
+        sent = _header.Flow(sends[p][0], tuple(sends[p][1]))
+        expected = _header.Flow(expects[p][0], tuple(expects[p][1]))
+        mine = _header.Header(_header.OK, call, print_, str(dtype), sent, expected, name)
+        headers[p] = (mine, transport.expect_control(p))
+    for p in peers:
+        transport.send_control(p, headers[p][0].pack())
+    transport.announced = True
+    return headers
+
+
+def _check(
+    headers: dict[int, tuple[_header.Header, Any]], transport: Transport, call: str
+) -> tuple[set[int], CodecError | None]:
+    """Reads every peer's header: the peers that agree, and what differs."""
+    said = {
+        p: _header.problems(mine, p, transport.rank, transport.control(handle))
+        for p, (mine, handle) in headers.items()
+    }
+    for p, problems in said.items():
+        if problems:
+            # The peer saw the same difference (or failed): nothing more
+            # travels between the two, and nothing waits for it.
+            transport.forget(p)
+    wrong = [text for problems in said.values() for text in problems]
+    agreed = {p for p, problems in said.items() if not problems}
+    return agreed, CodecError(f"{call}: {'; '.join(wrong)}") if wrong else None

@@ -21,20 +21,24 @@ each receive in turn. Two ways to carry that out:
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives import _buffers
+from qcomm.collectives import _buffers, _header
+from qcomm.collectives._verify import ENV
 
 # Every call on a group gets a tag of its own, counted alike on every rank
 # (the ranks make the same calls in the same order): messages of a call that
 # failed half-way can never be taken for those of a later call, and a user's
-# own point-to-point messages (tag 0 by default) never mix with qcomm's.
+# own point-to-point messages (tag 0 by default) never mix with qcomm's. Its
+# headers and trailers travel under a second tag, so that they can never be
+# matched with data.
 _FIRST_TAG = 1 << 30
-_TAGS = 1 << 30
+_TAGS = 1 << 29
 _calls: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
 # Transports of failed calls whose messages may still be in flight: kept
 # alive (their buffers may still be written) until many later failures.
@@ -63,7 +67,12 @@ def open_transport(group: dist.ProcessGroup, rank: int, device: torch.device) ->
     if device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower():
         count = _calls.get(group, 0)
         _calls[group] = count + 1
-        return PointToPoint(group, rank, device, _FIRST_TAG + count % _TAGS)
+        transport = PointToPoint(group, rank, device, _FIRST_TAG + count % _TAGS)
+        # Headers cost two gloo messages per pair and call, which on small
+        # calls is far more than 5% (see the collectives docs): they are sent
+        # where every call is checked, QCOMM_VERIFY=1 (alike on all ranks).
+        transport.checked = os.environ.get(ENV, "").strip() == "1"
+        return transport
     return OneAllToAll(group, rank, device)
 
 
@@ -85,6 +94,8 @@ class Transport:
 
     #: whether a peer's data may travel as several messages (chunks)
     chunked = False
+    #: whether the call exchanges headers and trailers (see ``_header``)
+    checked = False
 
     def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
         self.group = group
@@ -96,6 +107,9 @@ class Transport:
         self._dtype = torch.uint8
         self._buffer: torch.Tensor | None = None
         self._sends: list[tuple[int, torch.Tensor]] = []
+        #: whether this rank's headers have gone out (then a failure is told
+        #: in its trailers, not by :meth:`fail`)
+        self.announced = False
 
     def expect(
         self, peer: int, numel: int, dtype: torch.dtype, into: torch.Tensor | None = None
@@ -200,6 +214,76 @@ class Transport:
         _abandoned.append(self)
         del _abandoned[:-_KEEP_ABANDONED]
 
+    def forget(self, peer: int) -> None:
+        r"""
+        forget(peer: int) -> None
+
+        Stops waiting for what was sent to ``peer``, which takes no further
+        part in the call (it failed, or disagrees).
+
+        Args:
+            peer (int): the other rank.
+        """
+
+    def expect_control(self, peer: int) -> Any:
+        r"""
+        expect_control(peer: int) -> Any
+
+        Posts the receive of a header or trailer from ``peer`` (only where
+        :attr:`checked`).
+
+        Args:
+            peer (int): the sending rank.
+
+        Returns:
+            Any: the handle for :meth:`control`.
+        """
+        raise NotImplementedError
+
+    def send_control(self, peer: int, blob: torch.Tensor) -> None:
+        r"""
+        send_control(peer: int, blob: Tensor) -> None
+
+        Sends a header or trailer to ``peer`` (only where :attr:`checked`).
+
+        Args:
+            peer (int): the receiving rank.
+            blob (Tensor): :data:`~qcomm.collectives._header.SIZE` bytes.
+        """
+        raise NotImplementedError
+
+    def control(self, handle: Any) -> torch.Tensor:
+        r"""
+        control(handle: Any) -> Tensor
+
+        Waits for a header or trailer posted with :meth:`expect_control`.
+
+        Args:
+            handle (Any): from :meth:`expect_control`.
+
+        Returns:
+            Tensor: its bytes.
+        """
+        raise NotImplementedError
+
+    def fail(self, call: str, error: BaseException, peers: list[int]) -> None:
+        r"""
+        fail(call: str, error: BaseException, peers: list[int]) -> None
+
+        Tells ``peers`` that this rank cannot take part in the call, where
+        the transport can, and abandons it.
+
+        Args:
+            call (str): the collective and pass.
+            error (BaseException): why.
+            peers (list[int]): the other ranks.
+        """
+        if self.checked and not self.announced:
+            blob = _header.fail(call, error).pack()
+            for peer in peers:
+                self.send_control(peer, blob)
+        self.abandon()
+
 
 class PointToPoint(Transport):
     r"""
@@ -207,12 +291,37 @@ class PointToPoint(Transport):
     """
 
     chunked = True
+    checked = True
 
     def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device, tag: int) -> None:
         super().__init__(group, rank, device)
         self.tag = tag
         self._recv_work: list[Any] = []
-        self._send_work: list[Any] = []
+        self._send_work: list[tuple[int, Any]] = []
+        self._control_sent: list[torch.Tensor] = []
+        self._control_recv: list[tuple[torch.Tensor, Any]] = []
+        self._forgotten: set[int] = set()
+
+    def expect_control(self, peer: int) -> Any:
+        blob = torch.empty(_header.SIZE, dtype=torch.uint8)
+        # Kept with the transport: a posted receive's memory and work must
+        # outlive it, even when the call is abandoned.
+        self._control_recv.append((blob, self.group.recv([blob], peer, self.tag + _TAGS)))
+        return len(self._control_recv) - 1
+
+    def send_control(self, peer: int, blob: torch.Tensor) -> None:
+        self._control_sent.append(blob)  # kept alive until the send is done
+        self._send_work.append((peer, self.group.send([blob], peer, self.tag + _TAGS)))
+
+    def forget(self, peer: int) -> None:
+        self._forgotten.add(peer)
+
+    def control(self, handle: Any) -> torch.Tensor:
+        blob, work = self._control_recv[handle]
+        if work is not None:
+            work.wait()
+            self._control_recv[handle] = (blob, None)
+        return blob
 
     def start(self) -> None:
         shared = any(into is None and numel for _, _, numel, into in self._recvs)
@@ -227,7 +336,7 @@ class PointToPoint(Transport):
     def send(self, peer: int, wire: torch.Tensor) -> None:
         super().send(peer, wire)
         if wire.numel():
-            self._send_work.append(self.group.send([wire], peer, self.tag))
+            self._send_work.append((peer, self.group.send([wire], peer, self.tag)))
 
     def _wait_for(self, handle: int) -> None:
         work = self._recv_work[handle]
@@ -236,11 +345,18 @@ class PointToPoint(Transport):
 
     def close(self) -> None:
         try:
-            for work in self._send_work:
-                work.wait()
+            for peer, work in self._send_work:
+                if peer not in self._forgotten:
+                    work.wait()
         finally:
-            self._send_work.clear()
-            super().close()
+            if self._forgotten:
+                # Messages to or from a peer that left the call may never
+                # complete: they keep their memory, like an abandoned call's.
+                self.abandon()
+            else:
+                self._send_work.clear()
+                self._control_sent = []
+                super().close()
 
 
 class OneAllToAll(Transport):

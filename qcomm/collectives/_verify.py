@@ -30,10 +30,8 @@ step until the group's timeout).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import weakref
 from types import TracebackType
 from typing import Any
@@ -41,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives import _wire
-from qcomm.types import CodecError, CommOp, codec_info
+from qcomm.collectives._describe import SEP, describe_codec, hash64
+from qcomm.types import CodecError, CommOp
 
 ENV = "QCOMM_VERIFY"
 # Bumped whenever the layout below changes, so that ranks running different
@@ -57,15 +55,8 @@ _CALLS = {
     CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL: "all_to_all_sequence",
 }
 _OPS = list(_CALLS)
-_PROBE_LENGTHS = (0, 1, 7, 64, 1000)
 # Longest text of one field or error message sent in a description.
 _MAX_TEXT = 1000
-# What legitimately differs between ranks' descriptions of the same codec:
-# the device index (each rank of an NCCL job has its own GPU) and object
-# addresses in a repr.
-_DEVICE_INDEX = re.compile(r"\b(cuda|xpu|hpu|mps):\d+")
-_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]+")
-_SEP = "; "
 
 _verified: weakref.WeakKeyDictionary[dist.ProcessGroup, set[CommOp]] = weakref.WeakKeyDictionary()
 
@@ -92,63 +83,6 @@ def mode() -> str:
     )
 
 
-def _safe(fn: Any) -> str:
-    # A description must never fail: a codec method that raises is described
-    # by the exception's type, which is the same on every rank.
-    try:
-        return str(fn())
-    except Exception as err:
-        return f"<raises {type(err).__name__}>"
-
-
-def describe_codec(codec: Any) -> str:
-    r"""
-    describe_codec(codec: Any) -> str
-
-    A text that differs between two codecs that would encode differently:
-    class, ``repr`` (when the class defines one), public plain-valued
-    attributes (for codecs not declared stateful), :class:`~qcomm.CodecInfo`,
-    wire dtype and ``calc_quantized_size`` of a few lengths.
-
-    Args:
-        codec (Any): any object following the codec contract.
-
-    Returns:
-        str: the description; device indices (``cuda:1``) and addresses
-        (``0x7f...``) are left out.
-
-    Examples::
-
-        >>> from qcomm import NoOpQuantizedCommCodec
-        >>> describe_codec(NoOpQuantizedCommCodec()).split("; ")[:2]
-        ['class=qcomm.types.NoOpQuantizedCommCodec', 'repr=NoOpQuantizedCommCodec()']
-    """
-    cls = type(codec)
-    parts = [f"class={cls.__module__}.{cls.__qualname__}"]
-    if cls.__repr__ is not object.__repr__:
-        parts.append(f"repr={_safe(lambda: repr(codec))}")
-    info = codec_info(codec)
-    if not info.stateful:
-        # Options of a codec without a repr live in its attributes; state
-        # that may differ between ranks is what 'stateful' declares.
-        plain = (bool, int, float, str, type(None), torch.dtype)
-        attrs = {
-            k: v
-            for k, v in sorted(getattr(codec, "__dict__", {}).items())
-            if not k.startswith("_") and isinstance(v, plain)
-        }
-        if attrs:
-            parts.append(f"attrs={attrs}")
-    parts.append(f"info={info}")
-    parts.append(f"wire={_safe(lambda: _wire.wire_dtype(codec))}")
-    sizes = ",".join(
-        _safe(lambda n=n: codec.calc_quantized_size(n, codec.create_context()))
-        for n in _PROBE_LENGTHS
-    )
-    parts.append(f"sizes({','.join(map(str, _PROBE_LENGTHS))})={sizes}")
-    return _ADDRESS.sub("0x...", _DEVICE_INDEX.sub(r"\1", _SEP.join(parts)))
-
-
 def _describe(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return str([int(v) for v in value])
@@ -157,16 +91,11 @@ def _describe(value: Any) -> str:
     return describe_codec(value)
 
 
-def _hash(text: str) -> int:
-    return int.from_bytes(
-        hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True
-    )
-
-
 def _exchange_device(group: dist.ProcessGroup, input: Any) -> torch.device | None:
     backend = str(dist.get_backend(group)).lower()
     nccl_only = "nccl" in backend and "gloo" not in backend
-    if isinstance(input, torch.Tensor) and not (nccl_only and input.device.type != "cuda"):
+    usable = isinstance(input, torch.Tensor) and input.device.type != "meta"
+    if usable and not (nccl_only and input.device.type != "cuda"):
         return input.device
     if nccl_only:
         # No usable tensor to tell where this rank's GPU is: its current one.
@@ -179,7 +108,7 @@ def _exchange_device(group: dist.ProcessGroup, input: Any) -> torch.device | Non
 def _differences(texts: list[str]) -> list[str]:
     # A codec's description is long; show what tells the versions apart: its
     # repr when that differs, else its identity and the parts that differ.
-    split = [text.split(_SEP) for text in texts]
+    split = [text.split(SEP) for text in texts]
     if len({len(parts) for parts in split}) > 1:
         return texts
     differ = [i for i in range(len(split[0])) if len({parts[i] for parts in split}) > 1]
@@ -237,7 +166,13 @@ class Agreement:
         self.rank = rank
         self.world = world
         self.input = input
-        how = self.mode = mode()
+        # A rank with an invalid QCOMM_VERIFY still meets its peers where
+        # they verify by default, to tell them (see __exit__).
+        self.bad_mode: ValueError | None = None
+        try:
+            how = self.mode = mode()
+        except ValueError as err:
+            how, self.mode, self.bad_mode = "first", "first", err
         self.due = world > 1 and (
             how == "always" or (how == "first" and op not in _verified.get(group, ()))
         )
@@ -280,6 +215,13 @@ class Agreement:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc is None and self.bad_mode is not None:
+            exc = self.bad_mode
+            self._settle(exc)
+            raise exc
+        self._settle(exc)
+
+    def _settle(self, exc: BaseException | None) -> None:
         if not self.due:
             return
         if exc is None:
@@ -304,7 +246,7 @@ class Agreement:
             full = {name: _describe(value) for name, value in self.fields.items()}
             # Insertion order: the i-th field is the i-th hash on every rank.
             for i, (name, text) in enumerate(full.items()):
-                hashes[i] = _hash(f"{name}={text}")
+                hashes[i] = hash64(f"{name}={text}")
             texts = {name: _clip(text) for name, text in full.items()}
         else:
             texts = {"error": _clip(f"{type(failed).__name__}: {failed}")}

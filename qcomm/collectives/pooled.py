@@ -19,12 +19,11 @@ from qcomm.collectives._args import (
     check_input,
     check_splits,
     resolve_codecs,
-    resolve_group,
 )
 from qcomm.collectives._buffers import lease
+from qcomm.collectives._call import Call, begin
 from qcomm.collectives._exchange import Rows, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
-from qcomm.collectives._transport import open_transport
 from qcomm.collectives._verify import Agreement
 from qcomm.collectives._wire import padded_lengths
 from qcomm.types import CommOp
@@ -67,13 +66,13 @@ def all_to_all_pooled(
         same ``batch_size_per_rank``, ``dim_sum_per_rank`` and codecs, and
         must run the backward pass if any rank does.
 
-        The ranks check that they agree before the first call of each
-        collective on each group (every call with ``QCOMM_VERIFY=1``, never
-        with ``QCOMM_VERIFY=0``; the same setting on all ranks): one small
-        exchange, after which ranks that disagree all raise
-        :class:`~qcomm.CodecError` naming the rank and the argument, and a
-        rank whose own arguments are invalid makes the others raise instead
-        of waiting for it.
+        The first call of each collective on each group checks that the
+        ranks agree, and a rank whose arguments are invalid makes the
+        others raise :class:`~qcomm.CodecError` naming it instead of
+        waiting; ``QCOMM_VERIFY=1`` checks every call (on gloo with a
+        header per pair, which also catches wire sizes and a codec failing
+        on one rank), ``QCOMM_VERIFY=0`` none; the same setting on all
+        ranks. See the collectives page, "Mistakes and failures".
 
     .. warning::
         With a codec that returns its input (the no-op codec), the input's
@@ -108,7 +107,7 @@ def all_to_all_pooled(
             differing from ``calc_quantized_size``) or cannot run on the
             device, or the ranks disagree on ``batch_size_per_rank``,
             ``dim_sum_per_rank`` or the codecs, or another rank's arguments
-            are invalid (when checked, see the note).
+            are invalid (see the note).
 
     Examples::
 
@@ -119,31 +118,35 @@ def all_to_all_pooled(
         torch.Size([4, 3])
         >>> dist.destroy_process_group()
     """
-    pg, rank, world = resolve_group(group)
-    with Agreement(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL, pg, rank, world, input) as agree:
-        check_input(input, "input", pg, ndim=2)
-        batches = check_splits(
-            batch_size_per_rank, "batch_size_per_rank", world, input.shape[0], "input.shape[0]"
-        )
-        dims = check_splits(dim_sum_per_rank, "dim_sum_per_rank", world)
-        if dims[rank] != input.shape[1]:
-            raise ValueError(
-                f"dim_sum_per_rank[{rank}]: expected this rank's width input.shape[1] "
-                f"({input.shape[1]}), got {dims[rank]}"
+    with begin(
+        "all_to_all_pooled forward", group, input, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL
+    ) as call:
+        pg, rank, world = call.group, call.rank, call.world
+        with Agreement(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL, pg, rank, world, input) as agree:
+            check_input(input, "input", pg, ndim=2)
+            batches = check_splits(
+                batch_size_per_rank, "batch_size_per_rank", world, input.shape[0], "input.shape[0]"
             )
-        divide = world if check_flag(gradient_division, "gradient_division") else 1
-        chunk = check_chunk_bytes(chunk_bytes)
-        forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
-        agree.same("batch_size_per_rank", batches)
-        agree.same("dim_sum_per_rank", dims)
-        agree.same("codecs.forward", forward)
-        agree.same("codecs.backward", backward)
-        agree.same("chunk_bytes", [chunk or 0])
-    finish = _forward(input.detach(), batches, dims, rank, forward, pg, chunk)
+            dims = check_splits(dim_sum_per_rank, "dim_sum_per_rank", world)
+            if dims[rank] != input.shape[1]:
+                raise ValueError(
+                    f"dim_sum_per_rank[{rank}]: expected this rank's width input.shape[1] "
+                    f"({input.shape[1]}), got {dims[rank]}"
+                )
+            divide = world if check_flag(gradient_division, "gradient_division") else 1
+            chunk = check_chunk_bytes(chunk_bytes)
+            forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
+            agree.same("batch_size_per_rank", batches)
+            agree.same("dim_sum_per_rank", dims)
+            agree.same("codecs.forward", forward)
+            agree.same("codecs.backward", backward)
+            agree.same("chunk_bytes", [chunk or 0])
+        finish = _forward(input.detach(), batches, dims, forward, call, chunk)
     dtype = input.dtype
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
-        return _backward(grad, batches, dims, rank, backward, pg, dtype, divide, chunk)
+        with begin("all_to_all_pooled backward", pg, grad) as back:
+            return _backward(grad, batches, dims, backward, back, dtype, divide, chunk)
 
     return Pending(input, finish, backward_fn)
 
@@ -152,13 +155,13 @@ def _forward(
     x: torch.Tensor,
     batches: list[int],
     dims: list[int],
-    rank: int,
     codec: Any,
-    group: dist.ProcessGroup,
+    call: Call,
     chunk_bytes: int | None,
 ) -> Callable[[], torch.Tensor]:
     # Rank k sends rows `rows[r]` of its [sum B, D_k] input to rank r, which
     # receives them as columns `cols[k]` of its [B_r, sum D] output.
+    rank = call.rank
     ctx = codec.create_context()
     padded = padded_lengths(codec, ctx, dims, rank, x.device, probe=x)
     rows, cols = offsets(batches), offsets(dims)
@@ -168,8 +171,9 @@ def _forward(
         ([r], Rows(x[rows[r] : rows[r + 1]], padded[rank])) for r in send_order(rank, len(dims))
     ]
     recvs = [(s, Rows(band[s], padded[s])) for s in recv_order(rank, len(dims))]
-    transport = open_transport(group, rank, x.device)
-    finish = start_exchange(sends, recvs, codec, ctx, transport, x.dtype, chunk_bytes)
+    finish = start_exchange(
+        sends, recvs, codec, ctx, call.transport, x.dtype, chunk_bytes, call=call.name
+    )
     band[rank].copy_(x[rows[rank] : rows[rank + 1]])  # while the link is busy
 
     def done() -> torch.Tensor:
@@ -183,9 +187,8 @@ def _backward(
     grad: torch.Tensor,
     batches: list[int],
     dims: list[int],
-    rank: int,
     codec: Any,
-    group: dist.ProcessGroup,
+    call: Call,
     dtype: torch.dtype,
     divide: int,
     chunk_bytes: int | None,
@@ -193,6 +196,7 @@ def _backward(
     # The inverse: columns `cols[r]` of the [B_k, sum D] gradient go back to
     # rank r as rows `rows[k]` of its [sum B, D_r] input gradient.
     g = grad.to(dtype)
+    rank = call.rank
     ctx = codec.create_context()
     rows, cols = offsets(batches), offsets(dims)
     band = [g[:, cols[r] : cols[r + 1]] for r in range(len(dims))]
@@ -201,8 +205,9 @@ def _backward(
     block = [grad_input[rows[s] : rows[s + 1]] for s in range(len(batches))]
     sends = [([r], Rows(band[r], padded[r])) for r in send_order(rank, len(batches))]
     recvs = [(s, Rows(block[s], padded[rank])) for s in recv_order(rank, len(batches))]
-    transport = open_transport(group, rank, g.device)
-    finish = start_exchange(sends, recvs, codec, ctx, transport, dtype, chunk_bytes)
+    finish = start_exchange(
+        sends, recvs, codec, ctx, call.transport, dtype, chunk_bytes, call=call.name
+    )
     block[rank].copy_(band[rank])
     finish()
     if divide > 1:

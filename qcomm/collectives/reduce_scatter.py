@@ -26,12 +26,11 @@ from qcomm.collectives._args import (
     check_input,
     check_splits,
     resolve_codecs,
-    resolve_group,
 )
 from qcomm.collectives._buffers import lease
+from qcomm.collectives._call import Call, begin
 from qcomm.collectives._exchange import Flat, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
-from qcomm.collectives._transport import open_transport
 from qcomm.collectives._verify import Agreement
 from qcomm.collectives._wire import padded_lengths
 from qcomm.types import CommOp
@@ -76,13 +75,13 @@ def reduce_scatter_pooled(
         same ``input_splits``, trailing shape and codecs, and must run the
         backward pass if any rank does.
 
-        The ranks check that they agree before the first call of each
-        collective on each group (every call with ``QCOMM_VERIFY=1``, never
-        with ``QCOMM_VERIFY=0``; the same setting on all ranks): one small
-        exchange, after which ranks that disagree all raise
-        :class:`~qcomm.CodecError` naming the rank and the argument, and a
-        rank whose own arguments are invalid makes the others raise instead
-        of waiting for it.
+        The first call of each collective on each group checks that the
+        ranks agree, and a rank whose arguments are invalid makes the
+        others raise :class:`~qcomm.CodecError` naming it instead of
+        waiting; ``QCOMM_VERIFY=1`` checks every call (on gloo with a
+        header per pair, which also catches wire sizes and a codec failing
+        on one rank), ``QCOMM_VERIFY=0`` none; the same setting on all
+        ranks. See the collectives page, "Mistakes and failures".
 
     .. warning::
         With a codec that returns its input (the no-op codec), the input's
@@ -115,7 +114,7 @@ def reduce_scatter_pooled(
         CodecError: if a codec breaks its contract or cannot run on the
             device, or the ranks disagree on ``input_splits``, the trailing
             shape or the codecs, or another rank's arguments are invalid
-            (when checked, see the note).
+            (see the note).
 
     Examples::
 
@@ -125,35 +124,39 @@ def reduce_scatter_pooled(
         6.0
         >>> dist.destroy_process_group()
     """
-    pg, rank, world = resolve_group(group)
-    with Agreement(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER, pg, rank, world, input) as agree:
-        check_input(input, "input", pg)
-        rows = input.shape[0]
-        if input_splits is None:
-            if rows % world:
-                raise ValueError(
-                    f"input: with input_splits=None, expected dim 0 divisible by the world size "
-                    f"({world}), got {rows}"
-                )
-            splits = [rows // world] * world
-        else:
-            splits = check_splits(input_splits, "input_splits", world, rows, "input.shape[0]")
-        divide = world if check_flag(gradient_division, "gradient_division") else 1
-        chunk = check_chunk_bytes(chunk_bytes)
-        forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
-        rest = tuple(input.shape[1:])
-        agree.same("input_splits", splits)
-        agree.same("input.shape[1:]", rest)
-        agree.same("codecs.forward", forward)
-        agree.same("codecs.backward", backward)
-        agree.same("chunk_bytes", [chunk or 0])
-    lengths = [s * math.prod(rest) for s in splits]
-    dtype = input.dtype
-    finish = _reduce_scatter(input.detach(), lengths, rank, forward, pg, splits, rest, chunk)
+    with begin(
+        "reduce_scatter_pooled forward", group, input, CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER
+    ) as call:
+        pg, rank, world = call.group, call.rank, call.world
+        with Agreement(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER, pg, rank, world, input) as agree:
+            check_input(input, "input", pg)
+            rows = input.shape[0]
+            if input_splits is None:
+                if rows % world:
+                    raise ValueError(
+                        f"input: with input_splits=None, expected dim 0 divisible by the world "
+                        f"size ({world}), got {rows}"
+                    )
+                splits = [rows // world] * world
+            else:
+                splits = check_splits(input_splits, "input_splits", world, rows, "input.shape[0]")
+            divide = world if check_flag(gradient_division, "gradient_division") else 1
+            chunk = check_chunk_bytes(chunk_bytes)
+            forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
+            rest = tuple(input.shape[1:])
+            agree.same("input_splits", splits)
+            agree.same("input.shape[1:]", rest)
+            agree.same("codecs.forward", forward)
+            agree.same("codecs.backward", backward)
+            agree.same("chunk_bytes", [chunk or 0])
+        lengths = [s * math.prod(rest) for s in splits]
+        dtype = input.dtype
+        finish = _reduce_scatter(input.detach(), lengths, forward, call, splits, rest, chunk)
     in_shape = tuple(input.shape)
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
-        return _all_gather(grad, lengths, rank, backward, pg, in_shape, dtype, divide, chunk)
+        with begin("reduce_scatter_pooled backward", pg, grad) as back:
+            return _all_gather(grad, lengths, backward, back, in_shape, dtype, divide, chunk)
 
     return Pending(input, finish, backward_fn)
 
@@ -161,15 +164,14 @@ def reduce_scatter_pooled(
 def _reduce_scatter(
     x: torch.Tensor,
     lengths: list[int],
-    rank: int,
     codec: Any,
-    group: dist.ProcessGroup,
+    call: Call,
     splits: list[int],
     rest: tuple[int, ...],
     chunk_bytes: int | None,
 ) -> Callable[[], torch.Tensor]:
     dtype = x.dtype
-    world = len(lengths)
+    world, rank = len(lengths), call.rank
     ctx = codec.create_context()
     padded = padded_lengths(codec, ctx, lengths, rank, x.device)
     flat = x.reshape(-1)
@@ -180,8 +182,9 @@ def _reduce_scatter(
     acc = lease((splits[rank], *rest), acc_dtype, x.device)
     sends = [([r], Flat(flat[o[r] : o[r + 1]], padded[r])) for r in send_order(rank, world)]
     recvs = [(s, Flat(acc.view(-1), padded[rank])) for s in recv_order(rank, world)]
-    transport = open_transport(group, rank, x.device)
-    finish = start_exchange(sends, recvs, codec, ctx, transport, dtype, chunk_bytes, add=True)
+    finish = start_exchange(
+        sends, recvs, codec, ctx, call.transport, dtype, chunk_bytes, add=True, call=call.name
+    )
     acc.view(-1).copy_(flat[o[rank] : o[rank + 1]])
 
     def done() -> torch.Tensor:
@@ -194,16 +197,15 @@ def _reduce_scatter(
 def _all_gather(
     grad: torch.Tensor,
     lengths: list[int],
-    rank: int,
     codec: Any,
-    group: dist.ProcessGroup,
+    call: Call,
     in_shape: tuple[int, ...],
     dtype: torch.dtype,
     divide: int,
     chunk_bytes: int | None,
 ) -> torch.Tensor:
     # Every rank's gradient block goes to every rank: encoded once, sent to all.
-    world = len(lengths)
+    world, rank = len(lengths), call.rank
     ctx = codec.create_context()
     padded = padded_lengths(codec, ctx, lengths, rank, grad.device)
     mine = grad.to(dtype).reshape(-1)
@@ -212,8 +214,9 @@ def _all_gather(
     o = offsets(lengths)
     sends = [(send_order(rank, world), Flat(mine, padded[rank]))]
     recvs = [(s, Flat(flat[o[s] : o[s + 1]], padded[s])) for s in recv_order(rank, world)]
-    transport = open_transport(group, rank, grad.device)
-    finish = start_exchange(sends, recvs, codec, ctx, transport, dtype, chunk_bytes)
+    finish = start_exchange(
+        sends, recvs, codec, ctx, call.transport, dtype, chunk_bytes, call=call.name
+    )
     flat[o[rank] : o[rank + 1]].copy_(mine)
     finish()
     if divide > 1:

@@ -18,12 +18,11 @@ from qcomm.collectives._args import (
     check_input,
     check_splits,
     resolve_codecs,
-    resolve_group,
 )
 from qcomm.collectives._buffers import lease
+from qcomm.collectives._call import Call, begin
 from qcomm.collectives._exchange import Flat, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
-from qcomm.collectives._transport import open_transport
 from qcomm.collectives._verify import Agreement
 from qcomm.collectives._wire import padded_lengths
 from qcomm.types import CommOp
@@ -61,13 +60,13 @@ def all_to_all_sequence(
         matching splits, the same trailing shape and the same codecs, and
         must run the backward pass if any rank does.
 
-        The ranks check that they agree before the first call of each
-        collective on each group (every call with ``QCOMM_VERIFY=1``, never
-        with ``QCOMM_VERIFY=0``; the same setting on all ranks): one small
-        exchange, after which ranks that disagree all raise
-        :class:`~qcomm.CodecError` naming the rank and the argument, and a
-        rank whose own arguments are invalid makes the others raise instead
-        of waiting for it.
+        The first call of each collective on each group checks that the
+        ranks agree, and a rank whose arguments are invalid makes the
+        others raise :class:`~qcomm.CodecError` naming it instead of
+        waiting; ``QCOMM_VERIFY=1`` checks every call (on gloo with a
+        header per pair, which also catches wire sizes and a codec failing
+        on one rank), ``QCOMM_VERIFY=0`` none; the same setting on all
+        ranks. See the collectives page, "Mistakes and failures".
 
     .. warning::
         With a codec that returns its input (the no-op codec), the input's
@@ -98,7 +97,7 @@ def all_to_all_sequence(
         CodecError: if a codec breaks its contract or cannot run on the
             device, or the ranks' splits do not match, or they disagree on the
             trailing shape or the codecs, or another rank's arguments are
-            invalid (when checked, see the note).
+            invalid (see the note).
 
     Examples::
 
@@ -109,24 +108,30 @@ def all_to_all_sequence(
         True
         >>> dist.destroy_process_group()
     """
-    pg, rank, world = resolve_group(group)
-    with Agreement(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL, pg, rank, world, input) as agree:
-        check_input(input, "input", pg)
-        sends = check_splits(input_splits, "input_splits", world, input.shape[0], "input.shape[0]")
-        recvs = check_splits(output_splits, "output_splits", world)
-        chunk = check_chunk_bytes(chunk_bytes)
-        forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
-        rest = tuple(input.shape[1:])
-        agree.same("input.shape[1:]", rest)
-        agree.same("codecs.forward", forward)
-        agree.same("codecs.backward", backward)
-        agree.same("chunk_bytes", [chunk or 0])
-        agree.mirror(sends, recvs)
-    dtype = input.dtype
-    finish = _start(input.detach(), sends, recvs, rest, forward, rank, pg, dtype, chunk)
+    with begin(
+        "all_to_all_sequence forward", group, input, CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL
+    ) as call:
+        pg, rank, world = call.group, call.rank, call.world
+        with Agreement(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL, pg, rank, world, input) as agree:
+            check_input(input, "input", pg)
+            sends = check_splits(
+                input_splits, "input_splits", world, input.shape[0], "input.shape[0]"
+            )
+            recvs = check_splits(output_splits, "output_splits", world)
+            chunk = check_chunk_bytes(chunk_bytes)
+            forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
+            rest = tuple(input.shape[1:])
+            agree.same("input.shape[1:]", rest)
+            agree.same("codecs.forward", forward)
+            agree.same("codecs.backward", backward)
+            agree.same("chunk_bytes", [chunk or 0])
+            agree.mirror(sends, recvs)
+        dtype = input.dtype
+        finish = _start(input.detach(), sends, recvs, rest, forward, call, dtype, chunk)
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
-        return _start(grad, recvs, sends, rest, backward, rank, pg, dtype, chunk)()
+        with begin("all_to_all_sequence backward", pg, grad) as back:
+            return _start(grad, recvs, sends, rest, backward, back, dtype, chunk)()
 
     return Pending(input, finish, backward_fn)
 
@@ -137,15 +142,14 @@ def _start(
     recv_rows: list[int],
     rest: tuple[int, ...],
     codec: Any,
-    rank: int,
-    group: dist.ProcessGroup,
+    call: Call,
     dtype: torch.dtype,
     chunk_bytes: int | None,
 ) -> Callable[[], torch.Tensor]:
     # Each peer's rows are one flat segment, padded at its end to what the
     # codec's padded_size asks for the segment seen as one row.
     width = math.prod(rest)
-    world = len(send_rows)
+    world, rank = len(send_rows), call.rank
     send_lengths = [n * width for n in send_rows]
     recv_lengths = [n * width for n in recv_rows]
     ctx = codec.create_context()
@@ -156,8 +160,9 @@ def _start(
     so, ro = offsets(send_lengths), offsets(recv_lengths)
     sends = [([r], Flat(source[so[r] : so[r + 1]], padded[r])) for r in send_order(rank, world)]
     recvs = [(s, Flat(flat[ro[s] : ro[s + 1]], padded[world + s])) for s in recv_order(rank, world)]
-    transport = open_transport(group, rank, x.device)
-    finish = start_exchange(sends, recvs, codec, ctx, transport, dtype, chunk_bytes)
+    finish = start_exchange(
+        sends, recvs, codec, ctx, call.transport, dtype, chunk_bytes, call=call.name
+    )
     flat[ro[rank] : ro[rank + 1]].copy_(source[so[rank] : so[rank + 1]])
 
     def done() -> torch.Tensor:

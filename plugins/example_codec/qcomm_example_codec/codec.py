@@ -38,6 +38,8 @@ _TOP_EXPONENT = 14
 # Scales stay normal float32 numbers, so the scale factors are exact powers
 # of two built from their bits; blocks smaller than 2**-112 just use 2**-126.
 _MIN_EXPONENT = -126
+# The largest block_size: as large as the built-in block codecs allow.
+_MAX_BLOCK = 1 << 16
 
 
 @dataclasses.dataclass
@@ -77,7 +79,7 @@ class ScaledFP16Codec:
         block_size (int, optional): elements sharing one scale. Default: ``64``.
 
     Raises:
-        ValueError: if ``block_size`` is not a positive integer.
+        ValueError: if ``block_size`` is not an integer from 1 to 65536.
 
     Examples::
 
@@ -92,8 +94,11 @@ class ScaledFP16Codec:
     """
 
     def __init__(self, block_size: int = 64) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not 1 <= block_size <= _MAX_BLOCK:
+            # A block is padded whole: a huge one makes a one-element tensor huge.
+            raise ValueError(f"block_size must be between 1 and {_MAX_BLOCK}, got {block_size}")
         self.block_size = block_size
         self.info = CodecInfo(
             name="example_fp16_scaled",

@@ -55,8 +55,12 @@ def test_non_finite_values_propagate_and_spare_their_block():
 
 def test_errors_name_the_argument():
     codec = ScaledFP16Codec(block_size=4)
-    with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="block_size must be between 1 and 65536, got 0"):
         ScaledFP16Codec(block_size=0)
+    with pytest.raises(ValueError, match="block_size must be between 1 and 65536, got 4294967296"):
+        ScaledFP16Codec(block_size=2**32)
+    with pytest.raises(ValueError, match="block_size must be a positive int, got 2.0"):
+        ScaledFP16Codec(block_size=2.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="input_tensor must be floating-point"):
         codec.encode(torch.arange(3))
     with pytest.raises(TypeError, match="input_grad must be a float16"):

@@ -1,0 +1,523 @@
+"""The DDP communication hook (``qcomm.ddp_comm_hook``) on 2 and 3 gloo ranks.
+
+Every rank draws every rank's gradients from fixed seeds, computes the exact
+average with ``dist.all_reduce`` in float64, and checks what the hook gave it:
+
+- within the bound the codecs declare (:class:`~qcomm.CodecInfo`), summed
+  over the ranks (see :func:`step_bound`), for every installed codec, on
+  buckets of uneven sizes, with and without error feedback;
+- the same bits on every rank (data-parallel replicas must not drift apart);
+- with error feedback, the sum over 100 steps of a fixed gradient stays
+  within one step's bound of the exact sum; without it, it drifts (a
+  deterministic codec makes the same error every step);
+- through a real ``DistributedDataParallel`` whose buckets are uneven and
+  rebuilt after the first step;
+- the state saved and restored (``state_dict`` and pickling) continues
+  bit for bit, and a bucket whose layout changes starts again from zero.
+
+One spawn per world size runs every case; each case is reported as its own
+test. Argument checks that need no peers run in this process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pickle
+import traceback
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_utils import run_ranks
+
+import qcomm
+import qcomm.cli
+from qcomm import CodecError, CodecInfo
+from qcomm.collectives.all_reduce import Residuals, all_reduce, layout
+from qcomm.ddp import DDPCommHookState, all_reduce_hook
+
+WORLD_SIZES = (2, 3)
+U32 = 2.0**-24  # float32's unit roundoff
+# Bucket lengths: shorter than a block, not a multiple of any block, longer
+# than a chunk (the hook's cases run with a small chunk size too).
+SIZES = (1, 7, 33, 1000, 4099)
+STEPS = 100
+BUILTIN = ("noop", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "mx4")
+# A third-party plugin, where it is installed, goes through the same door.
+CODECS = [c for c in (*BUILTIN, "example_fp16_scaled") if c in qcomm.available_codecs()]
+# Error feedback on one codec of each kind: per element (bf16), per block
+# with min/max (int8), per block floating point (fp8, MX4), a plugin's.
+FEEDBACK = [c for c in ("bf16", "int8", "fp8_e4m3", "mx4", "example_fp16_scaled") if c in CODECS]
+
+
+class Bucket:
+    """What DDP hands a hook, for the hook's cases: a flat buffer and its index."""
+
+    def __init__(self, buffer: torch.Tensor, index: int = 0, shapes: tuple[int, ...] = ()) -> None:
+        self._buffer = buffer
+        self._index = index
+        self._params = [torch.empty(s) for s in shapes] or [torch.empty(buffer.numel())]
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+
+# --------------------------------------------------------------------------
+# Bounds, from what the codecs declare.
+
+
+def window_max(x: torch.Tensor, info: CodecInfo) -> torch.Tensor:
+    """An upper bound of ``s`` of every element (see :class:`~qcomm.CodecInfo`)
+    whatever block it is encoded in: the largest magnitude within one block's
+    length on either side (the whole tensor for ``error_block == 0``)."""
+    a = x.abs().double()
+    if info.error_block == 1 or a.numel() == 0:
+        return a
+    if info.error_block == 0:
+        return torch.full_like(a, a.max().item())
+    b = info.error_block
+    return F.max_pool1d(a.view(1, 1, -1), 2 * b - 1, stride=1, padding=b - 1).view(-1)
+
+
+def step_bound(
+    gs: list[torch.Tensor], reduce: CodecInfo, gather: CodecInfo, feedback: bool
+) -> torch.Tensor:
+    r"""How far one step's average may be from the exact one, per element.
+
+    Every rank's value is encoded by the reduce-scatter codec (counted for
+    all :math:`n` ranks, though a rank's own block travels unencoded):
+    :math:`E_1 = \frac1n \sum_r (\rho_1 s(g_r) + \alpha_1)`. The all-gather
+    codec encodes the average, off by at most :math:`E_1`:
+    :math:`E_2 = \rho_2 s(|m| + E_1) + \alpha_2`. Plus float32 rounding of the
+    sums and of the division.
+
+    With error feedback a rank encodes :math:`x = g + e` with :math:`e` the
+    residual, itself bounded by the codec on :math:`x`, so the largest
+    magnitude :math:`M` of a block obeys :math:`M \le s(g) + \rho M + \alpha`:
+    the scales are :math:`(s + \alpha) / (1 - \rho)`, and the all-gather's
+    input is off by the residuals coming in and going out, :math:`2 E_1`.
+    (A step's own result may be off by twice what this returns: see
+    :func:`~qcomm.collectives.all_reduce.all_reduce`.)
+    """
+    n = len(gs)
+    r1, a1, r2, a2 = (reduce.rel_error_bound, reduce.abs_error_bound,
+                      gather.rel_error_bound, gather.abs_error_bound)  # fmt: skip
+    scales = [window_max(g, reduce) for g in gs]
+    if feedback:
+        scales = [(s + a1) / (1 - r1) for s in scales]
+    e1 = sum(r1 * s + a1 for s in scales) / n
+    m = torch.stack(gs).double().mean(0)
+    s2 = window_max(m.abs() + (2 if feedback else 1) * e1, gather)
+    if feedback:
+        s2 = (s2 + a2) / (1 - r2)
+    e2 = r2 * s2 + a2
+    partial = sum(g.abs().double() for g in gs)
+    return e1 + e2 + 8 * U32 * (partial + n * (e1 + e2))
+
+
+def assert_within(what: str, got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None:
+    err = (got.double() - ref.double()).abs()
+    bad = ~(err <= bound)  # a NaN is bad too
+    if bad.any():
+        worst = int((err - bound).nan_to_num(math.inf).argmax())
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {err.numel()} elements beyond the bound; worst "
+            f"element {worst}: got {got[worst].item()}, exact {ref[worst].item()}, "
+            f"bound {bound[worst].item()}"
+        )
+
+
+# --------------------------------------------------------------------------
+# The checks (run inside a rank).
+
+
+def gradients(tag: str, n: int, world: int) -> list[torch.Tensor]:
+    """Every rank's gradient: normal values whose scale changes along the
+    buffer over four orders of magnitude, and a run of zeros."""
+    gen = torch.Generator().manual_seed(zlib.crc32(tag.encode()))
+    scale = 10.0 ** torch.linspace(-3, 1, n)
+    out = []
+    for _ in range(world):
+        g = torch.randn(n, generator=gen) * scale
+        g[n // 3 : n // 3 + n // 10] = 0.0
+        out.append(g)
+    return out
+
+
+def exact_mean(g: torch.Tensor) -> torch.Tensor:
+    x = g.double().clone()
+    dist.all_reduce(x)
+    return x / dist.get_world_size()
+
+
+def assert_same_on_all_ranks(what: str, x: torch.Tensor) -> None:
+    world = dist.get_world_size()
+    everyone = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(everyone, x.contiguous())
+    differ = [r for r in range(world) if not torch.equal(everyone[r], everyone[0])]
+    assert not differ, f"{what}: ranks {differ} hold other values than rank 0"
+
+
+def info_of(spec: str) -> CodecInfo:
+    info = qcomm.codec_info(qcomm.load_codec(spec))
+    assert math.isfinite(info.rel_error_bound), f"{spec} declares no error bound"
+    return info
+
+
+def case_hook(rank: int, world: int, spec: str) -> None:
+    info = info_of(spec)
+    for feedback in (False, True):
+        for chunk in (None, 256):
+            state, hook = qcomm.ddp_comm_hook(spec, error_feedback=feedback, chunk_bytes=chunk)
+            for index, n in enumerate(SIZES):
+                gs = gradients(f"{spec}:{n}", n, world)
+                ref = exact_mean(gs[rank])
+                bound = step_bound(gs, info, info, feedback)
+                for step in range(2 if feedback else 1):
+                    got = hook(state, Bucket(gs[rank].clone(), index)).wait()
+                    what = f"{spec}, {n} elements, feedback={feedback}, chunk={chunk}, step {step}"
+                    # A step with feedback also carries the last step's residual.
+                    assert_within(what, got, ref, bound * (1 if step == 0 else 2))
+                    assert_same_on_all_ranks(what, got)
+
+
+def case_feedback(rank: int, world: int, spec: str) -> None:
+    info = info_of(spec)
+    n = 1000
+    gs = gradients(f"fixed:{spec}", n, world)
+    ref = exact_mean(gs[rank])
+    sums = {}
+    for feedback in (True, False):
+        state, hook = qcomm.ddp_comm_hook(spec, error_feedback=feedback)
+        total = torch.zeros(n, dtype=torch.float64)
+        for _ in range(STEPS):
+            total += hook(state, Bucket(gs[rank].clone())).wait().double()
+        sums[feedback] = total
+    one = step_bound(gs, info, info, True)
+    # Each step's float32 rounding is not fed back: it may add up.
+    slack = STEPS * 8 * U32 * sum(g.abs().double() for g in gs)
+    assert_within(
+        f"{spec}: sum of {STEPS} steps with feedback", sums[True], STEPS * ref, one + slack
+    )
+    drift = ((sums[False] - STEPS * ref).abs() / step_bound(gs, info, info, False)).max().item()
+    assert drift > 5, (
+        f"{spec}: without feedback the sum of {STEPS} steps stays within {drift:.2f} times "
+        f"one step's bound; expected it to drift"
+    )
+
+
+class Params(torch.nn.Module):
+    """Parameters of uneven shapes; the loss is linear in them, so that each
+    rank's gradient is exactly the coefficients it is given."""
+
+    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in shapes])
+
+    def forward(self, coefs: list[torch.Tensor]) -> torch.Tensor:
+        return sum(((p * c.view(p.shape)).sum() for p, c in zip(self.ps, coefs)), torch.zeros(()))
+
+
+def case_ddp(rank: int, world: int) -> None:
+    # With a 10 KB bucket cap DDP makes several uneven buckets, and rebuilds
+    # them after the first step.
+    shapes = [(3,), (1000,), (7, 5), (4099,), (33,), (1,), (600, 3)]
+    for spec, feedback in (("int8", True), ("mx4", False), ("noop", True)):
+        model = torch.nn.parallel.DistributedDataParallel(Params(shapes), bucket_cap_mb=0.01)
+        state, hook = qcomm.ddp_comm_hook(spec, error_feedback=feedback)
+        seen: set[int] = set()
+
+        def counting(state, bucket, seen=seen, hook=hook):  # type: ignore[no-untyped-def]
+            # (No annotations: DDP checks them against the real types.)
+            seen.add(bucket.index())
+            return hook(state, bucket)
+
+        model.register_comm_hook(state, counting)
+        # Where DDP puts each parameter in its buckets is its business: the
+        # bound takes the largest magnitude of all for every block.
+        info = dataclasses.replace(info_of(spec), error_block=0)
+        for step in range(3):
+            coefs = [gradients(f"ddp:{s}:{step}", math.prod(s), world) for s in shapes]
+            model.zero_grad()
+            model([c[rank] for c in coefs]).backward()
+            whole = [torch.cat([c[r] for c in coefs]) for r in range(world)]
+            bound = step_bound(whole, info, info, feedback) * (2 if feedback and step else 1)
+            grad = torch.cat([p.grad.view(-1) for p in model.module.ps])  # type: ignore[union-attr]
+            what = f"DDP {spec}, feedback={feedback}, step {step}"
+            assert_within(what, grad, exact_mean(whole[rank]), bound)
+            assert_same_on_all_ranks(what, grad)
+        assert len(seen) > 1, f"DDP made {len(seen)} bucket(s); the case wants several"
+        if feedback and spec != "noop":
+            saved = state.state_dict()["residuals"]
+            assert sorted(saved) == sorted(seen), f"residuals of buckets {sorted(saved)}"
+
+
+def case_state(rank: int, world: int) -> None:
+    n = 777
+    gs = [gradients(f"state:{k}", n, world) for k in range(4)]
+    state, hook = qcomm.ddp_comm_hook("int8/mx4", error_feedback=True)
+    for k in range(3):
+        hook(state, Bucket(gs[k][rank].clone(), 2, (n,))).wait()
+    saved = state.state_dict()
+    entry = saved["residuals"][2]
+    assert entry["scatter"].shape == (n,) and entry["scatter"].abs().sum() > 0
+    mine = layout(n, world, 32)
+    assert entry["gather"].shape == (mine[rank + 1] - mine[rank],)
+    restored, _ = qcomm.ddp_comm_hook("int8/mx4", error_feedback=True)
+    restored.load_state_dict(saved)
+    unpickled = pickle.loads(pickle.dumps(state))
+    assert unpickled.process_group is None and repr(unpickled) == repr(state)
+    outs = [
+        hook(s, Bucket(gs[3][rank].clone(), 2, (n,))).wait() for s in (state, restored, unpickled)
+    ]
+    assert torch.equal(outs[0], outs[1]), "load_state_dict does not continue bit for bit"
+    assert torch.equal(outs[0], outs[2]), "pickling does not continue bit for bit"
+    # The same bucket index with another layout: its residuals start again.
+    for shapes, reset in (((n - 1,), True), ((n - 1,), False), ((n - 11, 10), True)):
+        size = sum(shapes)
+        before = state.resets
+        got = hook(state, Bucket(gs[0][rank][:size].clone(), 2, shapes)).wait()
+        assert state.resets == before + reset, f"layout {shapes}: resets {state.resets}"
+        if reset:
+            fresh, _ = qcomm.ddp_comm_hook("int8/mx4", error_feedback=True)
+            expected = hook(fresh, Bucket(gs[0][rank][:size].clone(), 2, shapes)).wait()
+            assert torch.equal(got, expected), f"layout {shapes}: residuals were not reset"
+
+
+def case_disagreement(rank: int, world: int) -> None:
+    # One rank with another codec, every call checked (QCOMM_VERIFY=1):
+    # every rank raises, none waits.
+    spec = "fp16" if rank == 0 else "int8"
+    state, hook = qcomm.ddp_comm_hook(spec)
+    os.environ["QCOMM_VERIFY"] = "1"
+    try:
+        with pytest.raises(CodecError):
+            hook(state, Bucket(torch.ones(100)))
+    finally:
+        del os.environ["QCOMM_VERIFY"]
+    # The group stays usable.
+    state, hook = qcomm.ddp_comm_hook("int8")
+    got = hook(state, Bucket(torch.full((100,), float(rank)))).wait()
+    assert torch.allclose(got, torch.full((100,), (world - 1) / 2), atol=1e-2)
+
+
+def case_all_reduce_sum(rank: int, world: int) -> None:
+    # The all-reduce under the hook, summing, with two codecs and residuals.
+    gs = gradients("sum", 5000, world)
+    residuals = Residuals()
+    int8, fp16 = qcomm.load_codec("int8"), qcomm.load_codec("fp16")
+    got = all_reduce(gs[rank].clone(), reduce_codec=int8, gather_codec=fp16, residuals=residuals)
+    bound = step_bound(gs, int8.info, fp16.info, False) * world
+    assert_within("all_reduce sum", got, exact_mean(gs[rank]) * world, bound)
+    assert residuals.scatter is not None and residuals.gather is not None
+    mine = layout(5000, world, 32)
+    own = residuals.scatter[mine[rank] : mine[rank + 1]]
+    assert not own.any(), "the block a rank keeps travels unencoded: its residual is zero"
+
+
+def case_narrow_buffers(rank: int, world: int) -> None:
+    # Buckets of half-precision parameters: sums still run in float32, and
+    # the result is rounded once to the bucket's dtype.
+    for dtype in (torch.float16, torch.bfloat16):
+        for spec in ("noop", "int8"):
+            info = info_of(spec)
+            gs = [g.to(dtype) for g in gradients(f"narrow:{dtype}", 1000, world)]
+            state, hook = qcomm.ddp_comm_hook(spec, error_feedback=True)
+            got = hook(state, Bucket(gs[rank].clone())).wait()
+            assert got.dtype == dtype
+            ref = exact_mean(gs[rank])
+            rounding = ref.abs() * torch.finfo(dtype).eps + torch.finfo(dtype).tiny
+            bound = step_bound([g.float() for g in gs], info, info, True) + rounding
+            assert_within(f"{spec} on {dtype}", got, ref, bound)
+            assert_same_on_all_ranks(f"{spec} on {dtype}", got)
+
+
+CASES: dict[str, Callable[[int, int], None]] = {
+    "ddp": case_ddp,
+    "state": case_state,
+    "disagreement": case_disagreement,
+    "all_reduce_sum": case_all_reduce_sum,
+    "narrow_buffers": case_narrow_buffers,
+}
+CODEC_CASES: dict[str, Callable[[int, int, str], None]] = {"hook": case_hook}
+CASE_IDS = [
+    *CASES,
+    *(f"hook[{c}]" for c in CODECS),
+    *(f"feedback[{c}]" for c in FEEDBACK),
+]
+
+
+def run_case(case: str, rank: int, world: int) -> None:
+    if case in CASES:
+        CASES[case](rank, world)
+        return
+    kind, codec = case.rstrip("]").split("[")
+    (case_hook if kind == "hook" else case_feedback)(rank, world, codec)
+
+
+def run_cases(rank: int, world: int, cases: list[str]) -> dict[str, str | None]:
+    """Every case on one rank; after an error that is not a failed check the
+    ranks may be out of step, so the cases left are reported as not run."""
+    outcome: dict[str, str | None] = {}
+    for i, case in enumerate(cases):
+        try:
+            run_case(case, rank, world)
+            outcome[case] = None
+        except AssertionError:
+            outcome[case] = traceback.format_exc()
+        except Exception:
+            outcome[case] = traceback.format_exc()
+            for later in cases[i + 1 :]:
+                outcome[later] = f"not run: case {case} raised on rank {rank}"
+            break
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def spawned() -> Callable[[int], dict[str, str | None]]:
+    """Runs every case once per world size, on first use."""
+    cache: dict[int, dict[str, str | None] | BaseException] = {}
+
+    def outcomes(world: int) -> dict[str, str | None]:
+        if world not in cache:
+            try:
+                per_rank = run_ranks(run_cases, world, CASE_IDS, timeout=600.0, pg_timeout=30.0)
+                cache[world] = {
+                    case: "\n".join(
+                        f"--- rank {r} ---\n{res[case]}"
+                        for r, res in enumerate(per_rank)
+                        if res[case]
+                    )
+                    or None
+                    for case in CASE_IDS
+                }
+            except BaseException as err:
+                cache[world] = err
+        result = cache[world]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    return outcomes
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_ddp_hook(world: int, case: str, spawned: Callable[[int], dict[str, str | None]]) -> None:
+    failure = spawned(world)[case]
+    if failure:
+        pytest.fail(f"{case} on {world} ranks:\n{failure}", pytrace=False)
+
+
+# --------------------------------------------------------------------------
+# What needs no peers.
+
+
+@pytest.fixture
+def one_rank() -> Any:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_arguments_are_checked_before_anything_runs() -> None:
+    with pytest.raises(CodecError, match="unknown codec 'int9'"):
+        qcomm.ddp_comm_hook("int9")
+    with pytest.raises(ValueError, match="gather: the spec 'int8/fp16' already names"):
+        qcomm.ddp_comm_hook("int8/fp16", gather="bf16")
+    with pytest.raises(TypeError, match="error_feedback: expected a bool, got int"):
+        qcomm.ddp_comm_hook("int8", error_feedback=1)
+    with pytest.raises(ValueError, match="chunk_bytes: expected a positive"):
+        qcomm.ddp_comm_hook("int8", chunk_bytes=0)
+    with pytest.raises(TypeError, match="spec: expected a codec spec"):
+        qcomm.ddp_comm_hook(42)
+    with pytest.raises(TypeError, match="process_group: expected"):
+        qcomm.ddp_comm_hook("int8", process_group="world")
+    with pytest.raises(ValueError, match="state_dict: expected a DDPCommHookState.state_dict"):
+        DDPCommHookState().load_state_dict({"version": 99})
+
+
+def test_codecs_and_pairs() -> None:
+    state, hook = qcomm.ddp_comm_hook("int8:row_dim=64/fp16")
+    assert hook is all_reduce_hook
+    assert repr(state.reduce_codec) == "Int8Codec(row_dim=64)"
+    assert state.gather_codec.info.name == "fp16"
+    same, _ = qcomm.ddp_comm_hook("mx4")
+    # A spec gives each step its own instance; an object serves both.
+    assert same.reduce_codec is not same.gather_codec
+    codec = qcomm.load_codec("int8")
+    obj, _ = qcomm.ddp_comm_hook(codec)
+    assert obj.reduce_codec is codec and obj.gather_codec is codec
+    none, _ = qcomm.ddp_comm_hook(None)
+    assert none.reduce_codec is None and none.gather_codec is None
+
+
+def test_one_rank_and_wrong_inputs(one_rank: None) -> None:
+    int8 = qcomm.load_codec("int8")
+    state, hook = qcomm.ddp_comm_hook("int8", error_feedback=True)
+    x = torch.randn(100)
+    assert torch.equal(hook(state, Bucket(x.clone())).wait(), x)
+    with pytest.raises(TypeError, match="state: expected the DDPCommHookState"):
+        hook(object(), Bucket(x))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="buffer: expected a 1-D tensor"):
+        all_reduce(torch.ones(2, 2))
+    with pytest.raises(TypeError, match="buffer: expected a floating-point tensor"):
+        all_reduce(torch.ones(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"residuals.scatter: expected 4 elements"):
+        all_reduce(torch.ones(4), reduce_codec=int8, residuals=Residuals(torch.zeros(3), None))
+    # With no codec nothing is lost, and nothing is kept.
+    residuals = Residuals()
+    all_reduce(torch.ones(4), residuals=residuals)
+    assert residuals.scatter is None and residuals.gather is None
+
+
+def test_layout() -> None:
+    for numel in (0, 1, 31, 32, 100, 1000, 4099):
+        for world in (1, 2, 3, 8):
+            for granule in (1, 32, 64):
+                bounds = layout(numel, world, granule)
+                assert bounds[0] == 0 and bounds[-1] == numel and len(bounds) == world + 1
+                assert all(a <= b for a, b in zip(bounds, bounds[1:]))
+                assert all(b % granule == 0 for b in bounds[:-1] if b < numel)
+
+
+def test_bench_all_reduce_row(tmp_path: Any) -> None:
+    # qcomm bench --ops all_reduce: qcomm's hook with each codec, PyTorch's two
+    # hooks and the bare exchange, in one run; nccl-tests' all-reduce busbw.
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--ops", "ar", "--codecs", "int8", "--sizes", "64K", "--quick"]
+    status = qcomm.cli.main([*argv, "--no-fbgemm", "--json", str(out)])
+    assert status == 0
+    results = json.loads(out.read_text())
+    assert results["meta"]["ops"] == ["all_reduce"]
+    rows = {p["label"]: p for p in results["collectives"]}
+    labels = ["noop", "int8", "pytorch[allreduce_hook]", "pytorch[fp16_compress_hook]", "bare:p2p"]
+    assert list(rows) == labels
+    world = results["meta"]["world_size"]
+    for label, p in rows.items():
+        assert p["status"] == "ok" and p["pass"] == "fwd", label
+        assert p["busbw_GBps"] == pytest.approx(p["algbw_GBps"] * 2 * (world - 1) / world)
+    assert rows["noop"]["max_rel_error"] < 1e-6
+    # Relative to the largest output: each step's bound relative to its
+    # input's scale, and neither input is larger than the output (see step_bound).
+    assert rows["int8"]["max_rel_error"] <= 2.01 * info_of("int8").rel_error_bound
+    for label in ("noop", "int8"):
+        theirs = rows["pytorch[allreduce_hook]"]["latency_s"] / rows[label]["latency_s"]
+        assert rows[label]["vs_allreduce_hook"] == pytest.approx(theirs)
+        assert rows[label]["vs_fp16_compress_hook"] > 0
