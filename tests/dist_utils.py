@@ -46,7 +46,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RankFailure", "run_ranks"]
+__all__ = ["RankFailure", "per_world_size", "run_cases", "run_ranks"]
 
 
 class RankFailure(AssertionError):
@@ -202,3 +202,80 @@ def run_ranks(
         missing = [r for r in range(world_size) if r not in values]
         raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
     return [values[r] for r in range(world_size)]
+
+
+def _each_case(
+    rank: int, world: int, run: Callable[[str, int, int], None], cases: list[str], stop: bool
+) -> dict[str, str | None]:
+    """Every case on one rank, each outcome recorded (see :func:`run_cases`)."""
+    outcome: dict[str, str | None] = {}
+    for i, case in enumerate(cases):
+        try:
+            run(case, rank, world)
+            outcome[case] = None
+        except Exception as err:
+            outcome[case] = traceback.format_exc()
+            if isinstance(err, AssertionError) and not stop:
+                continue
+            for later in cases[i + 1 :]:
+                outcome[later] = f"not run: case {case} raised on rank {rank}"
+            break
+    return outcome
+
+
+def run_cases(
+    run: Callable[[str, int, int], None],
+    world_size: int,
+    cases: list[str],
+    *,
+    stop_on_failed_check: bool = False,
+    **kwargs: Any,
+) -> dict[str, str | None]:
+    """Runs ``run(case, rank, world_size)`` for every case on one spawn of ranks.
+
+    A check that fails (AssertionError) normally leaves the ranks in step, so
+    the next case runs; any other error may have left this rank's collectives
+    out of step with the others', so the remaining cases are reported as not
+    run. With ``stop_on_failed_check`` a failed check stops the run too (for
+    cases where a rank that did not raise as expected is out of step).
+
+    Args:
+        run: a module-level function, as for :func:`run_ranks`.
+        world_size: number of ranks.
+        cases: the case names, run in order.
+        stop_on_failed_check: stop after a failed check too.
+        **kwargs: passed to :func:`run_ranks` (``timeout``, ``pg_timeout``...).
+
+    Returns:
+        For each case, the tracebacks of the ranks where it failed, or None.
+    """
+    per_rank = run_ranks(_each_case, world_size, run, cases, stop_on_failed_check, **kwargs)
+    return {
+        case: "\n".join(
+            f"--- rank {r} ---\n{res[case]}" for r, res in enumerate(per_rank) if res[case]
+        )
+        or None
+        for case in cases
+    }
+
+
+def per_world_size(
+    run: Callable[[str, int, int], None], cases: list[str], **kwargs: Any
+) -> Callable[[int], dict[str, str | None]]:
+    """:func:`run_cases` once per world size, on first use, its outcome (or
+    error) remembered: for a module-scoped fixture of tests parametrized by
+    world size."""
+    cache: dict[int, dict[str, str | None] | BaseException] = {}
+
+    def outcomes(world_size: int) -> dict[str, str | None]:
+        if world_size not in cache:
+            try:
+                cache[world_size] = run_cases(run, world_size, cases, **kwargs)
+            except BaseException as err:
+                cache[world_size] = err
+        result = cache[world_size]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    return outcomes

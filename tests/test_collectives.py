@@ -29,7 +29,6 @@ import functools
 import math
 import os
 import time
-import traceback
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import RankFailure, run_ranks
+from dist_utils import RankFailure, per_world_size, run_ranks
 
 import qcomm
 import qcomm.collectives._args as qargs
@@ -834,54 +833,10 @@ def run_case(case: str, rank: int, world: int) -> None:
     CODEC_CASES[op](rank, world, codec)
 
 
-def run_cases(rank: int, world: int, cases: list[str]) -> dict[str, str | None]:
-    """All cases on one rank, each outcome recorded.
-
-    A check that fails (AssertionError) leaves the ranks in step, so the next
-    case runs. Any other error may have left this rank's collectives out of
-    step with the others', so the remaining cases are reported as not run.
-    """
-    outcome: dict[str, str | None] = {}
-    for i, case in enumerate(cases):
-        try:
-            run_case(case, rank, world)
-            outcome[case] = None
-        except AssertionError:
-            outcome[case] = traceback.format_exc()
-        except Exception:
-            outcome[case] = traceback.format_exc()
-            for later in cases[i + 1 :]:
-                outcome[later] = f"not run: case {case} raised on rank {rank}"
-            break
-    return outcome
-
-
 @pytest.fixture(scope="module")
 def spawned() -> Callable[[int], dict[str, str | None]]:
     """Runs every case once per world size, on first use, and remembers the outcome."""
-    cache: dict[int, dict[str, str | None] | BaseException] = {}
-
-    def outcomes(world: int) -> dict[str, str | None]:
-        if world not in cache:
-            try:
-                per_rank = run_ranks(run_cases, world, CASE_IDS, timeout=600.0, pg_timeout=30.0)
-                cache[world] = {
-                    case: "\n".join(
-                        f"--- rank {r} ---\n{res[case]}"
-                        for r, res in enumerate(per_rank)
-                        if res[case]
-                    )
-                    or None
-                    for case in CASE_IDS
-                }
-            except BaseException as err:
-                cache[world] = err
-        result = cache[world]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    return outcomes
+    return per_world_size(run_case, CASE_IDS, timeout=600.0, pg_timeout=30.0)
 
 
 @pytest.mark.parametrize("case", CASE_IDS)

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import pickle
-import traceback
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_utils import run_ranks
+from dist_utils import per_world_size
 
 import qcomm
 import qcomm.cli
@@ -371,50 +370,10 @@ def run_case(case: str, rank: int, world: int) -> None:
     (case_hook if kind == "hook" else case_feedback)(rank, world, codec)
 
 
-def run_cases(rank: int, world: int, cases: list[str]) -> dict[str, str | None]:
-    """Every case on one rank; after an error that is not a failed check the
-    ranks may be out of step, so the cases left are reported as not run."""
-    outcome: dict[str, str | None] = {}
-    for i, case in enumerate(cases):
-        try:
-            run_case(case, rank, world)
-            outcome[case] = None
-        except AssertionError:
-            outcome[case] = traceback.format_exc()
-        except Exception:
-            outcome[case] = traceback.format_exc()
-            for later in cases[i + 1 :]:
-                outcome[later] = f"not run: case {case} raised on rank {rank}"
-            break
-    return outcome
-
-
 @pytest.fixture(scope="module")
 def spawned() -> Callable[[int], dict[str, str | None]]:
     """Runs every case once per world size, on first use."""
-    cache: dict[int, dict[str, str | None] | BaseException] = {}
-
-    def outcomes(world: int) -> dict[str, str | None]:
-        if world not in cache:
-            try:
-                per_rank = run_ranks(run_cases, world, CASE_IDS, timeout=600.0, pg_timeout=30.0)
-                cache[world] = {
-                    case: "\n".join(
-                        f"--- rank {r} ---\n{res[case]}"
-                        for r, res in enumerate(per_rank)
-                        if res[case]
-                    )
-                    or None
-                    for case in CASE_IDS
-                }
-            except BaseException as err:
-                cache[world] = err
-        result = cache[world]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    return outcomes
+    return per_world_size(run_case, CASE_IDS, timeout=600.0, pg_timeout=30.0)
 
 
 @pytest.mark.parametrize("case", CASE_IDS)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import os
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import run_cases
 from test_collectives import (
     POOLED,
     ForeignIdentityCodec,
@@ -404,32 +403,22 @@ CASES: dict[str, Callable[[int, int], None]] = {
 }
 
 
-def run_cases(rank: int, world: int, cases: list[str]) -> dict[str, str | None]:
-    """Every case on one rank; after an unexpected error the ranks may be out
-    of step, so the rest are reported as not run."""
-    outcome: dict[str, str | None] = {}
-    for i, case in enumerate(cases):
-        try:
-            CASES[case](rank, world)
-            outcome[case] = None
-        except Exception:
-            outcome[case] = traceback.format_exc()
-            for later in cases[i + 1 :]:
-                outcome[later] = f"not run: case {case} failed on rank {rank}"
-            break
-    return outcome
+def run_case(case: str, rank: int, world: int) -> None:
+    CASES[case](rank, world)
 
 
 @pytest.fixture(scope="module")
 def spawned() -> dict[str, str | None]:
-    per_rank = run_ranks(run_cases, WORLD, list(CASES), timeout=400.0, pg_timeout=PG_TIMEOUT)
-    return {
-        case: "\n".join(
-            f"--- rank {r} ---\n{res[case]}" for r, res in enumerate(per_rank) if res[case]
-        )
-        or None
-        for case in CASES
-    }
+    # A rank that did not raise as a case expects is out of step with the
+    # others: a failed check stops the run too.
+    return run_cases(
+        run_case,
+        WORLD,
+        list(CASES),
+        stop_on_failed_check=True,
+        timeout=400.0,
+        pg_timeout=PG_TIMEOUT,
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import functools
 import os
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import per_world_size
 from test_collectives import (
     CODEC_NAMES,
     CastFP16Codec,
@@ -246,49 +245,13 @@ CASES: dict[str, Callable[[int, int], None]] = {
 }
 
 
-def run_cases(rank: int, world: int) -> dict[str, str | None]:
-    # As in test_collectives: after an error other than a failed check the
-    # ranks may be out of step, so the remaining cases are not run.
-    outcome: dict[str, str | None] = {}
-    names = list(CASES)
-    for i, name in enumerate(names):
-        try:
-            CASES[name](rank, world)
-            outcome[name] = None
-        except AssertionError:
-            outcome[name] = traceback.format_exc()
-        except Exception:
-            outcome[name] = traceback.format_exc()
-            for later in names[i + 1 :]:
-                outcome[later] = f"not run: case {name} raised on rank {rank}"
-            break
-    return outcome
+def run_case(name: str, rank: int, world: int) -> None:
+    CASES[name](rank, world)
 
 
 @pytest.fixture(scope="module")
 def spawned() -> Callable[[int], dict[str, str | None]]:
-    cache: dict[int, Any] = {}
-
-    def outcomes(world: int) -> dict[str, str | None]:
-        if world not in cache:
-            try:
-                per_rank = run_ranks(run_cases, world, timeout=600.0, pg_timeout=30.0)
-                cache[world] = {
-                    name: "\n".join(
-                        f"--- rank {r} ---\n{res[name]}"
-                        for r, res in enumerate(per_rank)
-                        if res[name]
-                    )
-                    or None
-                    for name in CASES
-                }
-            except BaseException as err:
-                cache[world] = err
-        if isinstance(cache[world], BaseException):
-            raise cache[world]
-        return cache[world]  # type: ignore[no-any-return]
-
-    return outcomes
+    return per_world_size(run_case, list(CASES), timeout=600.0, pg_timeout=30.0)
 
 
 @pytest.mark.parametrize("case", list(CASES))

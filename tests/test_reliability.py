@@ -17,14 +17,13 @@ import subprocess
 import sys
 import textwrap
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import RankFailure, run_ranks
+from dist_utils import RankFailure, run_cases, run_ranks
 from fake_dists import make_dist
 from test_collectives import (
     POOLED,
@@ -467,34 +466,13 @@ CASES: dict[str, Callable[[int, int], None]] = {
 }
 
 
-def run_cases(rank: int, world: int, cases: list[str]) -> dict[str, str | None]:
-    """Every case on one rank; after an error other than a failed check the
-    ranks may be out of step, so the rest are reported as not run."""
-    outcome: dict[str, str | None] = {}
-    for i, case in enumerate(cases):
-        try:
-            CASES[case](rank, world)
-            outcome[case] = None
-        except AssertionError:
-            outcome[case] = traceback.format_exc()
-        except Exception:
-            outcome[case] = traceback.format_exc()
-            for later in cases[i + 1 :]:
-                outcome[later] = f"not run: case {case} raised on rank {rank}"
-            break
-    return outcome
+def run_case(case: str, rank: int, world: int) -> None:
+    CASES[case](rank, world)
 
 
 @pytest.fixture(scope="module")
 def spawned() -> dict[str, str | None]:
-    per_rank = run_ranks(run_cases, WORLD, list(CASES), timeout=300.0, pg_timeout=20.0)
-    return {
-        case: "\n".join(
-            f"--- rank {r} ---\n{res[case]}" for r, res in enumerate(per_rank) if res[case]
-        )
-        or None
-        for case in CASES
-    }
+    return run_cases(run_case, WORLD, list(CASES), timeout=300.0, pg_timeout=20.0)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -46,7 +46,7 @@ class Call:
 
 def _device(input: Any) -> torch.device:
     """Where the call's wire lives: the input's device, or the CPU if it has none."""
-    if isinstance(input, torch.Tensor) and input.device.type not in ("meta",):
+    if isinstance(input, torch.Tensor) and input.device.type != "meta":
         return input.device
     return torch.device("cpu")
 
