@@ -7,48 +7,78 @@ the three embedding collectives run with a codec on each pass, and a DDP
 communication hook all-reduces dense gradients with the same codecs.
 """
 
-from qcomm.awaitable import Awaitable, NoWait
-from qcomm.collectives import all_to_all_pooled, all_to_all_sequence, reduce_scatter_pooled
-from qcomm.ddp import DDPCommHookState, ddp_comm_hook
-from qcomm.registry import (
-    CodecEntry,
-    available_codecs,
-    build_registry,
-    codec_entries,
-    load_codec,
-    parse_codec_spec,
-)
-from qcomm.types import (
-    CodecError,
-    CodecInfo,
-    CommOp,
-    NoOpQuantizedCommCodec,
-    QuantizedCommCodec,
-    QuantizedCommCodecs,
-    codec_info,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Awaitable",
-    "CodecEntry",
-    "CodecError",
-    "CodecInfo",
-    "CommOp",
-    "DDPCommHookState",
-    "NoOpQuantizedCommCodec",
-    "NoWait",
-    "QuantizedCommCodec",
-    "QuantizedCommCodecs",
-    "all_to_all_pooled",
-    "all_to_all_sequence",
-    "available_codecs",
-    "build_registry",
-    "codec_entries",
-    "codec_info",
-    "ddp_comm_hook",
-    "load_codec",
-    "parse_codec_spec",
-    "reduce_scatter_pooled",
-]
+# Public name -> the module that defines it. Importing qcomm imports nothing
+# else (torch included) until a name is used: the pytest plugin and the
+# command line stay cheap to load.
+_HOMES = {
+    "Awaitable": "qcomm.awaitable",
+    "NoWait": "qcomm.awaitable",
+    "all_to_all_pooled": "qcomm.collectives",
+    "all_to_all_sequence": "qcomm.collectives",
+    "reduce_scatter_pooled": "qcomm.collectives",
+    "DDPCommHookState": "qcomm.ddp",
+    "ddp_comm_hook": "qcomm.ddp",
+    "CodecEntry": "qcomm.registry",
+    "available_codecs": "qcomm.registry",
+    "codec_entries": "qcomm.registry",
+    "load_codec": "qcomm.registry",
+    "build_registry": "qcomm.registry",
+    "parse_codec_spec": "qcomm.registry",
+    "CodecError": "qcomm.types",
+    "CodecInfo": "qcomm.types",
+    "CommOp": "qcomm.types",
+    "NoOpQuantizedCommCodec": "qcomm.types",
+    "QuantizedCommCodec": "qcomm.types",
+    "QuantizedCommCodecs": "qcomm.types",
+    "codec_info": "qcomm.types",
+}
+
+__all__ = sorted(_HOMES)
+
+if TYPE_CHECKING:
+    from qcomm.awaitable import Awaitable as Awaitable
+    from qcomm.awaitable import NoWait as NoWait
+    from qcomm.collectives import all_to_all_pooled as all_to_all_pooled
+    from qcomm.collectives import all_to_all_sequence as all_to_all_sequence
+    from qcomm.collectives import reduce_scatter_pooled as reduce_scatter_pooled
+    from qcomm.ddp import DDPCommHookState as DDPCommHookState
+    from qcomm.ddp import ddp_comm_hook as ddp_comm_hook
+    from qcomm.registry import CodecEntry as CodecEntry
+    from qcomm.registry import available_codecs as available_codecs
+    from qcomm.registry import build_registry as build_registry
+    from qcomm.registry import codec_entries as codec_entries
+    from qcomm.registry import load_codec as load_codec
+    from qcomm.registry import parse_codec_spec as parse_codec_spec
+    from qcomm.types import CodecError as CodecError
+    from qcomm.types import CodecInfo as CodecInfo
+    from qcomm.types import CommOp as CommOp
+    from qcomm.types import NoOpQuantizedCommCodec as NoOpQuantizedCommCodec
+    from qcomm.types import QuantizedCommCodec as QuantizedCommCodec
+    from qcomm.types import QuantizedCommCodecs as QuantizedCommCodecs
+    from qcomm.types import codec_info as codec_info
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        # A submodule, as ``qcomm.collectives`` was before the lazy imports.
+        try:
+            return importlib.import_module(f"qcomm.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"qcomm.{name}":
+                raise
+            raise AttributeError(f"module 'qcomm' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -36,6 +36,14 @@ class CodecError(Exception):
     """
 
 
+# CommOp value -> the qcomm collective that runs it.
+_COLLECTIVES = {
+    "pooled_embeddings_all_to_all": "all_to_all_pooled",
+    "pooled_embeddings_reduce_scatter": "reduce_scatter_pooled",
+    "sequence_embeddings_all_to_all": "all_to_all_sequence",
+}
+
+
 class CommOp(enum.Enum):
     r"""
     The collectives of sharded embeddings that a codec pair can be attached to.
@@ -47,6 +55,14 @@ class CommOp(enum.Enum):
     POOLED_EMBEDDINGS_ALL_TO_ALL = "pooled_embeddings_all_to_all"
     POOLED_EMBEDDINGS_REDUCE_SCATTER = "pooled_embeddings_reduce_scatter"
     SEQUENCE_EMBEDDINGS_ALL_TO_ALL = "sequence_embeddings_all_to_all"
+
+    @property
+    def collective(self) -> str:
+        r"""
+        The name of the qcomm collective that runs this operation, e.g.
+        ``"all_to_all_pooled"`` for :attr:`POOLED_EMBEDDINGS_ALL_TO_ALL`.
+        """
+        return _COLLECTIVES[self.value]
 
     @classmethod
     def parse(cls, op: CommOp | str) -> CommOp:
@@ -402,6 +418,21 @@ _DTYPE_BITS = {
     torch.int64: 64,
 }
 
+# The members every codec has (the contract, docs/codecs.rst).
+CODEC_MEMBERS = (
+    "encode",
+    "decode",
+    "quantized_dtype",
+    "calc_quantized_size",
+    "create_context",
+    "padded_size",
+)
+
+
+def dtype_bits(dtype: torch.dtype) -> int:
+    """Bits of one element of ``dtype``."""
+    return _DTYPE_BITS.get(dtype) or torch.finfo(dtype).bits
+
 
 def read_quantized_dtype(codec: Any) -> Any:
     r"""
@@ -452,7 +483,7 @@ def codec_info(codec: Any) -> CodecInfo:
         return info
     dtype = read_quantized_dtype(codec)
     if isinstance(dtype, torch.dtype):
-        bits = _DTYPE_BITS.get(dtype) or torch.finfo(dtype).bits
+        bits = dtype_bits(dtype)
     else:
         bits = 32
     return CodecInfo(name=type(codec).__name__, bits_per_element=float(bits), stateful=True)
