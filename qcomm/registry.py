@@ -29,7 +29,6 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from stevedore import NamedExtensionManager
 from stevedore.extension import Extension
 
@@ -40,7 +39,7 @@ from qcomm.types import (
     QuantizedCommCodec,
     QuantizedCommCodecs,
     codec_info,
-    read_quantized_dtype,
+    contract_problem,
 )
 
 __all__ = [
@@ -420,45 +419,10 @@ def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
         raise CodecError(
             f"{where} could not be built with options {spec_options}: {type(err).__name__}: {err}"
         ) from err
-    problem = _contract_problem(codec)
+    problem = contract_problem(codec)
     if problem:
         raise CodecError(f"{where} returned {problem}")
     return codec
-
-
-_CONTRACT = (
-    "encode",
-    "decode",
-    "quantized_dtype",
-    "calc_quantized_size",
-    "create_context",
-    "padded_size",
-)
-
-
-def _contract_problem(value: Any) -> str | None:
-    """How ``value`` breaks the codec contract, or ``None`` if it follows it."""
-    kind = type(value).__name__
-    if value is None:
-        return "None"
-    if isinstance(value, type):
-        return (
-            f"the class {value.__name__}, not a codec object (build one, e.g. {value.__name__}())"
-        )
-    try:
-        missing = [m for m in _CONTRACT if not hasattr(value, m)]
-        if missing:
-            return f"{kind}, which lacks codec member(s) {', '.join(missing)}"
-        methods = [m for m in _CONTRACT if m != "quantized_dtype"]
-        not_callable = [m for m in methods if not callable(getattr(value, m))]
-        dtype = read_quantized_dtype(value)
-    except Exception as err:
-        return f"{kind}, whose codec members raise when read: {type(err).__name__}: {err}"
-    if not_callable:
-        return f"{kind}, whose {', '.join(not_callable)} are not methods"
-    if not isinstance(dtype, torch.dtype):
-        return f"{kind}, whose quantized_dtype is {dtype!r}, not a torch.dtype"
-    return None
 
 
 def _load_pair(value: Any, where: str) -> QuantizedCommCodecs:
@@ -466,7 +430,7 @@ def _load_pair(value: Any, where: str) -> QuantizedCommCodecs:
         # It holds codec objects; specs belong in a "forward/backward" string.
         for side in ("forward", "backward"):
             codec = getattr(value, side)
-            problem = f"str {codec!r}" if isinstance(codec, str) else _contract_problem(codec)
+            problem = f"str {codec!r}" if isinstance(codec, str) else contract_problem(codec)
             if problem:
                 raise CodecError(f"{where}.{side}: expected a codec object, got {problem}")
         return value
@@ -500,7 +464,7 @@ def _load_one(value: Any, where: str) -> Any:
             return load_codec(value)
         except CodecError as err:
             raise CodecError(f"{where}: {err}") from err
-    problem = _contract_problem(value)
+    problem = contract_problem(value)
     if problem:
         raise CodecError(f"{where}: expected a codec spec string or a codec object, got {problem}")
     return value

@@ -434,6 +434,31 @@ def dtype_bits(dtype: torch.dtype) -> int:
     return _DTYPE_BITS.get(dtype) or torch.finfo(dtype).bits
 
 
+def contract_problem(value: Any) -> str | None:
+    """How ``value`` breaks the codec contract, or ``None`` if it follows it."""
+    kind = type(value).__name__
+    if value is None:
+        return "None"
+    if isinstance(value, type):
+        return (
+            f"the class {value.__name__}, not a codec object (build one, e.g. {value.__name__}())"
+        )
+    try:
+        missing = [m for m in CODEC_MEMBERS if not hasattr(value, m)]
+        if missing:
+            return f"{kind}, which lacks codec member(s) {', '.join(missing)}"
+        methods = [m for m in CODEC_MEMBERS if m != "quantized_dtype"]
+        not_callable = [m for m in methods if not callable(getattr(value, m))]
+        dtype = read_quantized_dtype(value)
+    except Exception as err:
+        return f"{kind}, whose codec members raise when read: {type(err).__name__}: {err}"
+    if not_callable:
+        return f"{kind}, whose {', '.join(not_callable)} are not methods"
+    if not isinstance(dtype, torch.dtype):
+        return f"{kind}, whose quantized_dtype is {dtype!r}, not a torch.dtype"
+    return None
+
+
 def read_quantized_dtype(codec: Any) -> Any:
     r"""
     read_quantized_dtype(codec: Any) -> Any

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from qcomm.types import (
+    CODEC_MEMBERS,
     CodecError,
     NoOpQuantizedCommCodec,
     QuantizedCommCodec,
@@ -25,14 +26,6 @@ from qcomm.types import (
 
 # Split entries must fit in a tensor's int64 sizes.
 _MAX_SPLIT = 1 << 63
-_CODEC_MEMBERS = (
-    "encode",
-    "decode",
-    "quantized_dtype",
-    "calc_quantized_size",
-    "create_context",
-    "padded_size",
-)
 
 
 def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
@@ -220,12 +213,12 @@ def check_codec(
             or the backend cannot carry its wire dtype.
     """
     if not isinstance(codec, QuantizedCommCodec):
-        missing = [m for m in _CODEC_MEMBERS if not hasattr(codec, m)]
+        missing = [m for m in CODEC_MEMBERS if not hasattr(codec, m)]
         raise TypeError(
             f"{name}: expected an object following the qcomm.QuantizedCommCodec contract, "
             f"got {type(codec).__name__} missing {', '.join(missing)}"
         )
-    for member in _CODEC_MEMBERS:
+    for member in CODEC_MEMBERS:
         if member != "quantized_dtype" and not callable(getattr(codec, member)):
             value = getattr(codec, member)
             raise TypeError(
