@@ -104,8 +104,9 @@ def _readable_signature(
     if what == "property":
         # Sphinx 9 glues a docstring-signature return type onto a property's
         # name (".. py:property:: C.p -> T"), which breaks its target; the type
-        # still shows, from the annotation.
-        return "", ""
+        # still shows, from the annotation. Without a signature line there is
+        # nothing to replace (Sphinx fails on an answer then).
+        return ("", "") if signature is not None else None
     if what == "class" and getattr(obj, "_is_protocol", False):
         # A Protocol is never called: "(*args, **kwargs)" would mislead.
         return "", ""

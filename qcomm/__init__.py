@@ -23,14 +23,17 @@ _HOMES = {
     "all_to_all_pooled": "qcomm.collectives",
     "all_to_all_sequence": "qcomm.collectives",
     "reduce_scatter_pooled": "qcomm.collectives",
+    "BlockCodec": "qcomm.codec_base",
+    "BlockContext": "qcomm.codec_base",
+    "ElementwiseCodec": "qcomm.codec_base",
     "DDPCommHookState": "qcomm.ddp",
     "ddp_comm_hook": "qcomm.ddp",
-    "CodecEntry": "qcomm.registry",
-    "available_codecs": "qcomm.registry",
-    "codec_entries": "qcomm.registry",
-    "load_codec": "qcomm.registry",
+    "CodecEntry": "qcomm.discovery",
+    "available_codecs": "qcomm.discovery",
+    "codec_entries": "qcomm.discovery",
+    "load_codec": "qcomm.discovery",
     "build_registry": "qcomm.registry",
-    "parse_codec_spec": "qcomm.registry",
+    "parse_codec_spec": "qcomm.specs",
     "CodecError": "qcomm.types",
     "CodecInfo": "qcomm.types",
     "CommOp": "qcomm.types",
@@ -45,17 +48,20 @@ __all__ = sorted(_HOMES)
 if TYPE_CHECKING:
     from qcomm.awaitable import Awaitable as Awaitable
     from qcomm.awaitable import NoWait as NoWait
+    from qcomm.codec_base import BlockCodec as BlockCodec
+    from qcomm.codec_base import BlockContext as BlockContext
+    from qcomm.codec_base import ElementwiseCodec as ElementwiseCodec
     from qcomm.collectives import all_to_all_pooled as all_to_all_pooled
     from qcomm.collectives import all_to_all_sequence as all_to_all_sequence
     from qcomm.collectives import reduce_scatter_pooled as reduce_scatter_pooled
     from qcomm.ddp import DDPCommHookState as DDPCommHookState
     from qcomm.ddp import ddp_comm_hook as ddp_comm_hook
-    from qcomm.registry import CodecEntry as CodecEntry
-    from qcomm.registry import available_codecs as available_codecs
+    from qcomm.discovery import CodecEntry as CodecEntry
+    from qcomm.discovery import available_codecs as available_codecs
+    from qcomm.discovery import codec_entries as codec_entries
+    from qcomm.discovery import load_codec as load_codec
     from qcomm.registry import build_registry as build_registry
-    from qcomm.registry import codec_entries as codec_entries
-    from qcomm.registry import load_codec as load_codec
-    from qcomm.registry import parse_codec_spec as parse_codec_spec
+    from qcomm.specs import parse_codec_spec as parse_codec_spec
     from qcomm.types import CodecError as CodecError
     from qcomm.types import CodecInfo as CodecInfo
     from qcomm.types import CommOp as CommOp

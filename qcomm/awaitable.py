@@ -1,8 +1,6 @@
 r"""
-Awaitables: results that are ready later, like TorchRec's ``Awaitable``.
-
-Every collective returns one so that the caller can overlap other work with
-the communication before calling :meth:`~qcomm.Awaitable.wait`.
+Results that are ready later, like TorchRec's ``Awaitable``: every collective
+returns one, so the caller can overlap other work with the communication.
 """
 
 from __future__ import annotations
@@ -20,13 +18,8 @@ _NOT_READY = object()
 
 class Awaitable(abc.ABC, Generic[W]):
     r"""
-    A result that is ready after :meth:`wait`.
-
-    Subclasses implement ``_wait_impl``. :meth:`wait` runs it once, passes the
-    result through every function in :attr:`callbacks` in order, and returns
-    (and remembers) what the last one returned, so calling :meth:`wait` again
-    is free and gives the same object; if the call or a callback raised,
-    every later :meth:`wait` raises the same exception.
+    A result that is ready after :meth:`wait`; subclasses implement
+    ``_wait_impl``, which :meth:`wait` runs once.
 
     Examples::
 
@@ -49,14 +42,11 @@ class Awaitable(abc.ABC, Generic[W]):
         r"""
         wait() -> W
 
-        Blocks until the result is ready, applies :attr:`callbacks` and returns it.
-
-        Returns:
-            W: the result.
+        Blocks until the result is ready and returns it passed through
+        :attr:`callbacks`; later calls return the same object.
 
         Raises:
-            Exception: whatever the call or a callback raised, again on every
-                later call.
+            Exception: what the call or a callback raised, on every later call too.
         """
         if self._failed is not None:
             raise self._failed

@@ -6,7 +6,7 @@ to show what it declares. ``qcomm check SPEC`` runs the conformance kit
 (:mod:`qcomm.testing`) in a worker process, each rule with a deadline
 (``--timeout``), so that a codec that hangs or crashes fails the check rather
 than stopping it; ``qcomm bench`` measures codecs and collectives
-(:mod:`qcomm.bench`).
+(:mod:`qcomm.benchmark.command`).
 """
 
 from __future__ import annotations
@@ -19,17 +19,11 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from qcomm.registry import codec_entries, load_codec
+from qcomm._table import format_table
+from qcomm.benchmark.command import add_bench_arguments, run_bench
+from qcomm.benchmark.options import parse_number
+from qcomm.discovery import codec_entries, load_codec
 from qcomm.types import CodecError, CodecInfo, codec_info
-
-
-def _format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    lines = [
-        "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _describe_bound(info: CodecInfo) -> str:
@@ -61,7 +55,7 @@ def _list(args: argparse.Namespace) -> int:
     header = ["codec", "distribution"]
     if args.details:
         header += ["bits/elem", "summable", "error bound"]
-    print(_format_table(header, rows))
+    print(format_table(header, rows))
     return 0
 
 
@@ -84,7 +78,7 @@ def _check_worker(conn: Connection) -> None:
             text = str(err) if isinstance(err, CodecError) else f"{type(err).__name__}: {err}"
             conn.send(("fail", text))
         else:
-            conn.send(("ok", report.summary))
+            conn.send(("ok", report.summary()))
 
 
 def _start_worker() -> tuple[Any, Connection]:
@@ -141,18 +135,10 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _timeout(text: str) -> float:
-    from qcomm.benchmark.options import parse_number
-
     try:
         return float(parse_number(text, "--timeout", float, 0.1, 86400))
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from err
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from qcomm.bench import run_bench
-
-    return run_bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,9 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     build_parser() -> argparse.ArgumentParser
 
     The argument parser of the ``qcomm`` command, with its three sub-commands.
-
-    Returns:
-        argparse.ArgumentParser: the parser.
     """
     parser = argparse.ArgumentParser(prog="qcomm", description=__doc__.strip().splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,10 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_check.set_defaults(func=_check)
 
     p_bench = sub.add_parser("bench", help="measure codecs and collectives")
-    from qcomm.bench import add_bench_arguments
-
     add_bench_arguments(p_bench)
-    p_bench.set_defaults(func=_bench)
+    p_bench.set_defaults(func=run_bench)
     return parser
 
 
@@ -199,14 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     r"""
     main(argv: Sequence[str] | None = None) -> int
 
-    Entry point of the ``qcomm`` console script.
+    Entry point of the ``qcomm`` console script: runs a command and returns
+    its exit status.
 
     Args:
-        argv (Sequence[str], optional): arguments; ``sys.argv[1:]`` when ``None``.
-            Default: ``None``.
-
-    Returns:
-        int: the exit status.
+        argv (Sequence[str], optional): the arguments. Default: ``sys.argv[1:]``.
     """
     args = build_parser().parse_args(argv)
     try:

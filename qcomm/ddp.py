@@ -1,12 +1,6 @@
 r"""
-A communication hook for PyTorch's ``DistributedDataParallel`` that
-all-reduces every gradient bucket with qcomm codecs, with optional error
-feedback: the dense half of a recommendation model crosses the same link as
-its embeddings, and the same codec plugins compress it.
-
-:func:`ddp_comm_hook` returns a :class:`DDPCommHookState` and the hook
-(:func:`~qcomm.ddp.all_reduce_hook`) to hand to ``register_comm_hook``; the all-reduce
-itself is :func:`qcomm.collectives.all_reduce.all_reduce`.
+A ``DistributedDataParallel`` communication hook that all-reduces gradient
+buckets with qcomm codecs, with optional error feedback. See :doc:`ddp`.
 """
 
 # No "from __future__ import annotations" here: DistributedDataParallel
@@ -20,7 +14,7 @@ import torch.distributed as dist
 
 from qcomm.collectives._args import check_chunk_bytes
 from qcomm.collectives.all_reduce import Residuals, all_reduce
-from qcomm.registry import load_codec
+from qcomm.discovery import load_codec
 from qcomm.types import CodecError, QuantizedCommCodec
 
 __all__ = ["DDPCommHookState", "all_reduce_hook", "ddp_comm_hook"]
@@ -29,7 +23,7 @@ _VERSION = 1
 
 
 def _load(value: Any, name: str) -> tuple[Any, str | None]:
-    """A codec from a spec string or a codec object (``None``: the no-op codec), and its spec."""
+    """The codec (``None`` for none) and its spec, if given as one."""
     if value is None:
         return None, None
     if isinstance(value, str):
@@ -50,7 +44,6 @@ def _freeze(value: Any) -> Any:
 
 
 def _thaw(value: Any) -> Any:
-    """Tuples as lists, as a saved state holds layouts."""
     if isinstance(value, (list, tuple)):
         return [_thaw(v) for v in value]
     return value
@@ -58,45 +51,11 @@ def _thaw(value: Any) -> Any:
 
 class DDPCommHookState:
     r"""
-    The state of qcomm's DDP communication hook: its codecs, options, process
-    group and, with error feedback, every bucket's residuals.
-
-    Usually made by :func:`ddp_comm_hook`, which takes the same arguments.
-
-    A bucket's residuals are kept under its index together with its
-    *layout* (length, dtype, the shapes of its parameters in order, world
-    size and rank); when DDP hands over a bucket of that index with another
-    layout (it rebuilds its buckets after the first iteration), its
-    residuals start again from zero and :attr:`resets` counts it.
-
-    The state is saved with :meth:`state_dict` and restored with
-    :meth:`load_state_dict`, or pickled whole (``torch.save``); pickling
-    leaves out the process group, which is the default group again after
-    unpickling, as with PyTorch's ``PowerSGDState``. Codecs given as spec
-    strings are pickled as their specs and rebuilt from them.
-
-    Args:
-        spec (str | QuantizedCommCodec, optional): the reduce-scatter's codec
-            (and the all-gather's, unless ``gather`` is given): a spec such
-            as ``"int8"`` or ``"mx4:group_size=16"``, a pair
-            ``"reduce/gather"`` such as ``"int8/fp16"``, or a codec object.
-            Default: ``None`` (no codec: the buckets travel as they are).
-        gather (str | QuantizedCommCodec, optional): the all-gather's codec.
-            Default: ``None`` (the same spec again, as a new instance, or the
-            same codec object).
-        error_feedback (bool, optional): keep what the codecs lose and add it
-            to the next step's gradients. Default: ``False``.
-        process_group (ProcessGroup, optional): the group to all-reduce over;
-            must be DDP's. Default: ``None`` (the default group).
-        chunk_bytes (int, optional): the exchanges' chunk size (see
-            :doc:`collectives`). Default: ``None`` (automatic).
-
-    Raises:
-        CodecError: if a spec names no installed codec or its options are
-            wrong.
-        TypeError: if an argument has the wrong type.
-        ValueError: if ``spec`` is a pair and ``gather`` is given too, or
-            ``chunk_bytes`` is not positive.
+    The state of qcomm's DDP hook: its codecs and options and, with error
+    feedback, every bucket's residuals (see :doc:`ddp`). It takes the
+    arguments of :func:`ddp_comm_hook`, raising as that does. Save it with
+    :meth:`state_dict` or pickle it whole: the process group is left out, and
+    codecs given as specs travel as their specs.
 
     Examples::
 
@@ -143,7 +102,7 @@ class DDPCommHookState:
             )
         self.process_group = process_group
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
-        #: how many times a bucket's residuals started again because its layout changed
+        #: how often a bucket's residuals restarted from zero for a new layout
         self.resets = 0
         self._residuals: dict[int, tuple[tuple[Any, ...], Residuals]] = {}
 
@@ -151,14 +110,11 @@ class DDPCommHookState:
         r"""
         residuals(bucket: torch.distributed.GradBucket) -> Residuals
 
-        The residuals of a bucket, started again (from zero) when its layout
-        is not the one they were kept for.
+        The bucket's residuals, for the hook to fill in; from zero if its
+        layout changed.
 
         Args:
-            bucket (torch.distributed.GradBucket): the bucket DDP hands the hook.
-
-        Returns:
-            Residuals: this bucket's, filled in by the all-reduce.
+            bucket (torch.distributed.GradBucket): the bucket.
         """
         buffer = bucket.buffer()
         group = self.process_group if self.process_group is not None else dist.group.WORLD
@@ -185,13 +141,11 @@ class DDPCommHookState:
         r"""
         state_dict() -> dict[str, Any]
 
-        What :meth:`load_state_dict` restores: copies of every bucket's
-        residuals with the layout they belong to.
+        Copies of every bucket's residuals with their layout.
 
         Returns:
-            dict[str, Any]: ``version``, ``error_feedback`` and
-            ``residuals``: bucket index to ``layout`` (a list), ``scatter``
-            and ``gather`` (float32 tensors).
+            dict[str, Any]: ``version``, ``error_feedback`` and ``residuals``
+            (bucket index to ``layout``, ``scatter`` and ``gather``).
         """
         residuals = {
             index: {
@@ -208,14 +162,11 @@ class DDPCommHookState:
         r"""
         load_state_dict(state_dict: Mapping[str, Any]) -> None
 
-        Restores the residuals saved by :meth:`state_dict`; a bucket whose
-        layout has changed since starts again from zero on its next step.
+        Restores what :meth:`state_dict` saved; a bucket whose layout has
+        changed since restarts from zero.
 
         Args:
-            state_dict (Mapping[str, Any]): from :meth:`state_dict`.
-
-        Raises:
-            ValueError: if ``state_dict`` is not one :meth:`state_dict` wrote.
+            state_dict (Mapping[str, Any]): from :meth:`state_dict`, else ``ValueError``.
         """
         if not isinstance(state_dict, Mapping) or state_dict.get("version") != _VERSION:
             got = state_dict.get("version") if isinstance(state_dict, Mapping) else state_dict
@@ -284,26 +235,19 @@ def all_reduce_hook(
     all_reduce_hook(state: DDPCommHookState, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]
 
     The DDP communication hook: averages the bucket over the ranks with
-    :func:`~qcomm.collectives.all_reduce.all_reduce`, the codecs and options
-    of ``state``, and its residuals when it keeps error feedback.
-
-    The bucket is reduced when the hook returns (its future is complete):
-    within a bucket, encoding, the link's two directions and decoding
-    overlap, but the bucket's communication does not overlap the backward
-    pass of the layers after it, as DDP's own all-reduce does.
+    :func:`~qcomm.collectives.all_reduce.all_reduce` and returns once it is
+    reduced (see :doc:`ddp`).
 
     Args:
-        state (DDPCommHookState): the hook's state.
-        bucket (torch.distributed.GradBucket): the bucket DDP hands over.
+        state (DDPCommHookState): the codecs and residuals.
+        bucket (torch.distributed.GradBucket): DDP's bucket.
 
     Returns:
-        torch.futures.Future[torch.Tensor]: complete, holding the bucket's
-        buffer, which now holds the averaged gradients.
+        torch.futures.Future[torch.Tensor]: done, holding the averaged bucket.
 
     Raises:
         TypeError: if ``state`` is not a :class:`DDPCommHookState`.
-        CodecError: if a codec fails or the ranks disagree (see
-            :func:`~qcomm.collectives.all_reduce.all_reduce`).
+        CodecError: if a codec fails or the ranks disagree.
     """
     if not isinstance(state, DDPCommHookState):
         raise TypeError(
@@ -340,39 +284,28 @@ def ddp_comm_hook(
     r"""
     ddp_comm_hook(spec, *, gather=None, error_feedback=False, process_group=None, chunk_bytes=None) -> tuple[DDPCommHookState, Callable]
 
-    A DDP communication hook that all-reduces gradient buckets with a qcomm
-    codec: an encoded reduce-scatter, then an encoded all-gather, with
-    optional error feedback.
-
-    Hand both to ``DistributedDataParallel.register_comm_hook`` (every rank,
-    before the first backward pass). The hook averages each bucket over the
-    ranks, as DDP does; every rank ends with the same gradients. See
-    :doc:`ddp` for the error bound and what error feedback does.
+    A DDP communication hook that averages gradient buckets with an encoded
+    reduce-scatter and all-gather; hand both to ``register_comm_hook`` on
+    every rank before the first backward pass (see :doc:`ddp`).
 
     Args:
-        spec (str | QuantizedCommCodec): the codec: a spec such as
-            ``"int8"``, ``"mx4:group_size=16"`` or a plugin's name, a pair
-            ``"reduce/gather"`` (e.g. ``"int8/fp16"``), a codec object, or
-            ``None`` for none (the buckets travel as they are).
-        gather (str | QuantizedCommCodec, optional): the all-gather's codec,
-            when it differs. Default: ``None`` (as ``spec``).
-        error_feedback (bool, optional): keep what the codecs lose in the
-            state and add it to the next step's gradients. Default: ``False``.
-        process_group (ProcessGroup, optional): DDP's process group.
-            Default: ``None`` (the default group).
-        chunk_bytes (int, optional): the exchanges' chunk size (see
-            :doc:`collectives`). Default: ``None`` (automatic).
+        spec (str | QuantizedCommCodec): a spec (``"int8"``), a
+            ``"reduce/gather"`` pair, a codec object, or ``None`` (no codec).
+        gather (str | QuantizedCommCodec, optional): the all-gather's codec.
+            Default: ``None`` (as ``spec``; a new instance of a spec).
+        error_feedback (bool, optional): carry what the codecs lose into the
+            next step. Default: ``False``.
+        process_group (ProcessGroup, optional): DDP's group. Default: ``None``.
+        chunk_bytes (int, optional): the chunk size (see :doc:`collectives`).
+            Default: ``None`` (automatic).
 
     Returns:
-        tuple[DDPCommHookState, Callable]: the state and
-        :func:`~qcomm.ddp.all_reduce_hook`.
+        tuple[DDPCommHookState, Callable]: the state and :func:`~qcomm.ddp.all_reduce_hook`.
 
     Raises:
-        CodecError: if a spec names no installed codec or its options are
-            wrong.
+        CodecError: if a spec names no installed codec or its options are wrong.
         TypeError: if an argument has the wrong type.
-        ValueError: if ``spec`` is a pair and ``gather`` is given too, or
-            ``chunk_bytes`` is not positive.
+        ValueError: if ``gather`` repeats a pair's, or ``chunk_bytes`` is not positive.
 
     Examples::
 
@@ -380,7 +313,6 @@ def ddp_comm_hook(
         >>> state, hook = qcomm.ddp_comm_hook("mx4", error_feedback=True)
         >>> hook.__name__, state.error_feedback
         ('all_reduce_hook', True)
-        >>> # ddp_model.register_comm_hook(state, hook)
     """
     state = DDPCommHookState(
         spec,

@@ -1,54 +1,31 @@
 r"""
-The conformance kit: :func:`check_codec` holds any codec to the codec contract
-and to the error bound its :class:`~qcomm.CodecInfo` declares.
+The conformance kit: :func:`check_codec` holds a codec to the contract of
+:doc:`codecs` and to the error bound it declares; ``qcomm check`` and the
+``qcomm_check_codec`` pytest fixture run it too.
 
-A codec author runs it on their codec in three ways: from Python
-(``check_codec(MyCodec())``), from the shell (``qcomm check my_codec``), or
-in a test suite through the ``qcomm_check_codec`` pytest fixture
-(:mod:`qcomm.pytest_plugin`).
+The rules, in order (the first one broken raises :class:`ConformanceError`):
 
-The rules, in the order they are checked (the first one broken raises
-:class:`ConformanceError`):
+- ``dtype``: ``quantized_dtype`` is an attribute holding the wires' dtype.
+- ``ctx``: the methods work with ``ctx=None`` and a fresh context, and
+  ``decode`` gives the same values whatever context it gets.
+- ``shape``: ``encode`` returns 1-D, ``decode`` 1-D floats of the input's
+  length (up to the next multiple of the block).
+- ``size``: ``calc_quantized_size(n)`` is the wire's length, for ``n`` in 0,
+  1, primes, lengths around the block and one near ``1e5``.
+- ``round_trip``: round trips keep the declared bound on normal, wide, tiny,
+  huge and constant data; finite inputs decode finite.
+- ``determinism``: the same input gives the same bytes (unless ``stochastic``).
+- ``additive``: sizes of block-aligned pieces add up, and the wire of a
+  concatenation split by them decodes piece by piece.
+- ``padded_size``: TorchRec's pooled calls pad, record every rank's width,
+  and the padded input round-trips split by batch.
+- ``no_mutation``: no call changes its input.
+- ``bits``: ``bits_per_element`` matches a long input's wire within 1%.
+- ``summable``: if declared, summed wires decode to the sum within the bound.
+- ``decode_into``: if present, it writes exactly ``decode``'s bits into a
+  contiguous output, a band of columns and a transposed view, nothing else.
 
-- ``dtype``: :attr:`~qcomm.QuantizedCommCodec.quantized_dtype` is a property
-  holding a ``torch.dtype``, and every wire tensor ``encode`` returns has that
-  dtype.
-- ``ctx``: ``encode``, ``decode`` and ``calc_quantized_size`` work with
-  ``ctx=None`` as well as with a fresh
-  :meth:`~qcomm.QuantizedCommCodec.create_context`, and ``decode`` gives the
-  same values whatever context it is handed: a receiver's context never holds
-  the sender's state, so what decoding needs travels in-band.
-- ``shape``: ``encode`` returns a 1-D tensor, ``decode`` a 1-D floating-point
-  tensor of the input's length (a block codec may return up to the next
-  multiple of its block).
-- ``size``: ``calc_quantized_size(n)`` equals the length of ``encode`` of
-  ``n`` elements, with ``ctx=None`` and with a fresh context, for ``n`` in
-  0, 1, small primes, lengths around the codec's block and one near ``1e5``.
-- ``round_trip``: ``decode(encode(x))`` is within the declared bound on
-  normal, wide-ranging, tiny, huge (up to ``max_abs_input``) and constant
-  data, with ``ctx=None`` and with a fresh context; outputs are finite where
-  inputs are. A codec that declares no bound is held to finiteness only.
-- ``determinism``: encoding the same input twice gives identical bytes
-  (skipped when the codec declares ``stochastic``).
-- ``additive``: for lengths that are multiples of the codec's block,
-  ``calc_quantized_size`` adds up, and the wire of a concatenation split by
-  those sizes decodes piece by piece (what TorchRec's all-to-all does).
-- ``padded_size``: on 2-D pooled inputs of several ranks, as TorchRec calls
-  it: ``padding == padded - width >= 0``, every rank's padded width is
-  recorded in ``qcomm_ctx.padded_dim_sum_per_rank`` when any padding is asked
-  for, and the padded input encodes, splits by batch and decodes back.
-- ``no_mutation``: no call changes its input tensor (checked on every call).
-- ``bits``: the declared ``bits_per_element`` matches the wire size of a long
-  input within 1% (only for codecs that declare a :class:`~qcomm.CodecInfo`).
-- ``summable``: for codecs that declare ``summable``, the element-wise sum of
-  two wire tensors decodes to the sum of the inputs within the bound.
-- ``decode_into``: for codecs that have the optional ``decode_into``, it
-  writes exactly the bits ``decode`` returns, into a contiguous output, a band
-  of columns of a wider matrix and a transposed view, and touches nothing
-  around them.
-
-The block of a codec is ``CodecInfo.error_block`` when it is above ``1``,
-else ``1``; pass ``block=`` to :func:`check_codec` to override it.
+The block is ``CodecInfo.error_block`` when above ``1``, else ``1``.
 """
 
 from __future__ import annotations
@@ -61,7 +38,7 @@ from typing import Any
 
 import torch
 
-from qcomm.types import CodecError, CodecInfo, codec_info
+from qcomm.types import CodecError, CodecInfo, codec_info, dtype_bits
 
 __all__ = ["RULES", "CodecReport", "ConformanceError", "check_codec"]
 
@@ -83,10 +60,8 @@ RULES = (
 
 class ConformanceError(CodecError):
     r"""
-    A codec broke a rule of the conformance kit.
-
-    A :class:`~qcomm.CodecError`, so ``except CodecError`` catches it too. The
-    message names the rule, the codec and the input that broke it.
+    A codec broke a rule of the kit; a :class:`~qcomm.CodecError` whose message
+    names the rule, the codec and the input.
 
     Args:
         rule (str): the rule broken, one of ``qcomm.testing.RULES``.
@@ -112,13 +87,13 @@ class CodecReport:
     What :func:`check_codec` found for a codec that passed.
 
     Args:
-        codec (str): the codec's name (from its :class:`~qcomm.CodecInfo`).
+        codec (str): the codec's name.
         info (CodecInfo): what the codec declares, or the defaults assumed.
-        rules (tuple[str, ...]): the rules checked and passed, in order.
+        rules (tuple[str, ...]): the rules passed, in order.
         skipped (tuple[str, ...]): rules not checked, each with the reason.
         lengths (tuple[int, ...]): input lengths of the ``size`` rule.
-        worst_error (float): the largest observed ratio of round-trip error to
-            the declared bound (``<= 1``); ``nan`` when no bound is declared.
+        worst_error (float): the largest round-trip error relative to the
+            declared bound (``<= 1``); ``nan`` when none is declared.
     """
 
     codec: str
@@ -128,13 +103,11 @@ class CodecReport:
     lengths: tuple[int, ...]
     worst_error: float
 
-    @property
     def summary(self) -> str:
         r"""
         summary() -> str
 
-        One line: the rules passed, the worst error against the bound, and
-        the rules skipped with their reasons.
+        One line: the rules passed, the worst error, the rules skipped.
         """
         if math.isnan(self.worst_error):
             error = "no error bound declared, outputs finite"
@@ -146,7 +119,7 @@ class CodecReport:
         return text
 
     def __str__(self) -> str:
-        return f"{self.codec}: {self.summary}"
+        return f"{self.codec}: {self.summary()}"
 
 
 @dataclasses.dataclass
@@ -279,7 +252,7 @@ def _covered(run: _Run, x: torch.Tensor) -> torch.Tensor:
 
 
 def _bound(run: _Run, x: torch.Tensor) -> torch.Tensor:
-    r"""Per-element bound in float64: rel * s + abs, with s as CodecInfo defines it."""
+    """Per-element bound in float64, with s as CodecInfo defines it."""
     info = run.info
     if math.isinf(info.rel_error_bound) or math.isinf(info.abs_error_bound):
         return torch.full(x.shape, math.inf, dtype=torch.float64, device=x.device)
@@ -304,7 +277,7 @@ def _check_close(
     bound: torch.Tensor | None = None,
     rule: str | None = None,
 ) -> None:
-    r"""Holds the decoded ``y`` (at least as long as ``x``) to the bound around ``x``."""
+    """Holds the decoded ``y`` (at least as long as ``x``) to the bound."""
     n = x.numel()
     longest = -(-n // run.block) * run.block
     if not n <= y.numel() <= longest:
@@ -347,7 +320,7 @@ def _rule_dtype(run: _Run) -> None:
     if callable(dtype) and not isinstance(dtype, torch.dtype):
         raise run.fail(
             "quantized_dtype is a method; the contract (and TorchRec's callers) read it as a "
-            "property holding a torch.dtype"
+            "attribute holding a torch.dtype"
         )
     if not isinstance(dtype, torch.dtype):
         raise run.fail(f"quantized_dtype is {dtype!r}, expected a torch.dtype")
@@ -452,7 +425,7 @@ def _rule_additive(run: _Run, stochastic: bool) -> None:
     label = f"pieces of {counts} elements"
     wire = _encode(run, whole, _context(run), label, "create_context()")
     bound = _bound(run, whole)
-    parts = wire.split(sizes)
+    parts = torch.split(wire, sizes)
     start = 0
     for count, piece, part in zip(counts, pieces, parts):
         what = f"decode of the split for elements {start}..{start + count} of encode(<{label}>)"
@@ -521,7 +494,7 @@ def _padded_case(
         )
     bound = _bound(run, flat)
     start = 0
-    for rank, (nb, part) in enumerate(zip(batches, wire.split(splits))):
+    for rank, (nb, part) in enumerate(zip(batches, torch.split(wire, splits))):
         end = start + nb * padded
         y = _decode(run, part, _context(run), f"rows for rank {rank}", "create_context()")
         where = f"decode of the {label}'s split for rank {rank} ({what})"
@@ -544,17 +517,9 @@ def _rule_padded_size(run: _Run) -> None:
             )
 
 
-def _wire_bits(dtype: torch.dtype) -> int:
-    if dtype.is_floating_point:
-        return torch.finfo(dtype).bits
-    if dtype == torch.bool:
-        return 8
-    return torch.iinfo(dtype).bits
-
-
 def _rule_bits(run: _Run) -> None:
     n = -(-100_000 // run.block) * run.block
-    measured = _size(run, n, None, "None") * _wire_bits(run.dtype) / n
+    measured = _size(run, n, None, "None") * dtype_bits(run.dtype) / n
     declared = run.info.bits_per_element
     if abs(measured - declared) > 0.01 * declared:
         raise run.fail(
@@ -628,39 +593,29 @@ def check_codec(
     r"""
     check_codec(codec: Any, *, lengths: Sequence[int] | None = None, seed: int = 0, block: int | None = None, device: str | torch.device = "cpu", progress: Callable[[str], None] | None = None) -> CodecReport
 
-    Holds ``codec`` to the codec contract and to its declared error bound; see
-    the module docstring for the rules.
-
-    A codec without :class:`~qcomm.CodecInfo` is checked with the defaults of
-    :func:`~qcomm.codec_info`: no error bound promised, so its round trips are
-    held to shape and finiteness only.
+    Holds ``codec`` to the contract and its declared error bound (the module
+    lists the rules); a codec without :class:`~qcomm.CodecInfo` gets the
+    defaults of :func:`~qcomm.codec_info`, so only finite round trips.
 
     Args:
-        codec (Any): any object following the codec contract.
-        lengths (Sequence[int], optional): input lengths of the ``size`` rule.
-            Default: ``None`` (0, 1, small primes, lengths around the codec's
-            block, and 100003).
-        seed (int, optional): seed of the random test data. Default: ``0``.
-        block (int, optional): the length that pieces of an all-to-all are
-            multiples of. Default: ``None`` (``CodecInfo.error_block`` when it
-            is above ``1``, else ``1``).
-        device (str | torch.device, optional): where the test data lives.
+        codec (Any): the codec.
+        lengths (Sequence[int], optional): lengths of the ``size`` rule.
+            Default: ``None`` (0, 1, primes, around the block, 100003).
+        seed (int, optional): seed of the test data. Default: ``0``.
+        block (int, optional): what all-to-all pieces are multiples of.
+            Default: ``None`` (see the module).
+        device (str | torch.device, optional): where the data lives.
             Default: ``"cpu"``.
         progress (Callable[[str], None], optional): called with each rule's
-            name before it is checked (``qcomm check`` uses it to say which
-            rule hung). Default: ``None``.
+            name before it runs. Default: ``None``.
 
     Returns:
-        CodecReport: the rules passed and the worst observed error relative to
-        the declared bound.
+        CodecReport: the rules passed and the worst error against the bound.
 
     Raises:
-        ConformanceError: on the first rule broken (a :class:`~qcomm.CodecError`);
-            the message names the rule, the codec and the input.
-        ValueError: if ``lengths`` or ``block`` are not non-negative/positive
-            integers, or too large for the kit's test data (inputs of at most
-            :math:`2^{24}` elements, 128 blocks long at most), or ``device`` is
-            not among the codec's declared devices.
+        ConformanceError: on the first rule broken.
+        ValueError: if ``lengths``, ``block`` or ``device`` are invalid, or the
+            test data would exceed :math:`2^{24}` elements.
 
     Examples::
 

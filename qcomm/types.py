@@ -1,10 +1,6 @@
 r"""
-The codec contract: what a codec is, what it declares about itself, and the
-per-collective pair of codecs that TorchRec sharders accept.
-
-A codec is duck-typed exactly like TorchRec's ``QuantizedCommCodec``: any
-object with the members of :class:`~qcomm.QuantizedCommCodec` can be handed to
-qcomm or to TorchRec unchanged.
+The codec contract (:doc:`codecs`) in types: the protocol, what a codec
+declares about itself, and the per-collective pair TorchRec sharders accept.
 """
 
 from __future__ import annotations
@@ -29,10 +25,8 @@ __all__ = [
 
 class CodecError(Exception):
     r"""
-    Raised when a codec cannot be found, loaded, built or trusted.
-
-    The message always names the codec, plugin, distribution or argument at
-    fault, and what was expected.
+    Raised when a codec cannot be found, loaded, built or trusted; the message
+    names the codec, plugin or argument at fault and what was expected.
     """
 
 
@@ -46,23 +40,20 @@ _COLLECTIVES = {
 
 class CommOp(enum.Enum):
     r"""
-    The collectives of sharded embeddings that a codec pair can be attached to.
-
-    The member names are the keys of a TorchRec ``qcomm_codecs_registry``; the
-    values are their lower-case spellings, used in codec spec strings.
+    The collectives of sharded embeddings a codec pair can be attached to: the
+    member names key a TorchRec ``qcomm_codecs_registry``, the lower-case values
+    are used in codec spec strings.
     """
 
     POOLED_EMBEDDINGS_ALL_TO_ALL = "pooled_embeddings_all_to_all"
     POOLED_EMBEDDINGS_REDUCE_SCATTER = "pooled_embeddings_reduce_scatter"
     SEQUENCE_EMBEDDINGS_ALL_TO_ALL = "sequence_embeddings_all_to_all"
 
-    @property
-    def collective(self) -> str:
-        r"""
-        The name of the qcomm collective that runs this operation, e.g.
-        ``"all_to_all_pooled"`` for :attr:`POOLED_EMBEDDINGS_ALL_TO_ALL`.
-        """
-        return _COLLECTIVES[self.value]
+    # The name of the qcomm collective that runs it, e.g. "all_to_all_pooled".
+    collective: str
+
+    def __init__(self, value: str) -> None:
+        self.collective = _COLLECTIVES[value]
 
     @classmethod
     def parse(cls, op: CommOp | str) -> CommOp:
@@ -72,11 +63,7 @@ class CommOp(enum.Enum):
         Turns a :class:`CommOp`, its name or its value (any case) into a member.
 
         Args:
-            op (CommOp | str): the operation, e.g. ``"POOLED_EMBEDDINGS_ALL_TO_ALL"``
-                or ``"pooled_embeddings_all_to_all"``.
-
-        Returns:
-            CommOp: the member.
+            op (CommOp | str): a member, its name or its value.
 
         Raises:
             CodecError: if ``op`` names no member; the message lists them.
@@ -99,40 +86,27 @@ class CommOp(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class CodecInfo:
     r"""
-    What a codec declares about itself; qcomm and its tests hold it to this.
-
-    The declared error bound reads: for every finite input element :math:`x_i`
-    whose magnitude is at most :attr:`max_abs_input`,
-
-    .. math::
-
-        |\hat{x}_i - x_i| \le \text{rel\_error\_bound} \cdot s_i + \text{abs\_error\_bound}
-
-    where :math:`s_i` is :math:`|x_i|` when :attr:`error_block` is ``1``, and
-    the largest magnitude of the block of :attr:`error_block` consecutive
-    elements holding :math:`x_i` otherwise (``0`` means the whole tensor).
+    What a codec declares about itself, held true by qcomm's tests and
+    conformance kit; the error bound is that of :doc:`codecs`.
 
     Args:
         name (str): the codec's name, e.g. ``"int8"``.
-        bits_per_element (float): wire bits per input element, metadata
-            (scales, exponents) included, for long inputs.
-        summable (bool, optional): whether the backend may sum wire tensors
-            element-wise and the sum decodes to the sum of inputs (true for
-            plain float casts, false for scaled formats). Default: ``False``.
-        stateful (bool, optional): whether the codec keeps state across calls.
+        bits_per_element (float): wire bits per input element, metadata included.
+        summable (bool, optional): whether the backend may sum wire tensors.
             Default: ``False``.
-        stochastic (bool, optional): whether encoding the same input twice may
-            give different wire bytes. Default: ``False``.
-        devices (tuple[str, ...], optional): device types the codec runs on.
+        stateful (bool, optional): whether it keeps state across calls.
+            Default: ``False``.
+        stochastic (bool, optional): whether the same input may encode to other
+            bytes. Default: ``False``.
+        devices (tuple[str, ...], optional): device types it runs on.
             Default: ``("cpu", "cuda")``.
-        rel_error_bound (float, optional): relative part of the error bound.
+        rel_error_bound (float, optional): relative part of the bound.
             Default: ``math.inf`` (nothing promised).
-        abs_error_bound (float, optional): absolute part of the error bound,
-            e.g. for values that underflow. Default: ``0.0``.
-        error_block (int, optional): elements sharing one scale; see above.
-            Default: ``1``.
-        max_abs_input (float, optional): inputs larger in magnitude are
-            saturated and the bound does not hold for them. Default: ``math.inf``.
+        abs_error_bound (float, optional): absolute part. Default: ``0.0``.
+        error_block (int, optional): elements sharing a scale (``0``: the whole
+            tensor). Default: ``1``.
+        max_abs_input (float, optional): magnitude up to which the bound holds.
+            Default: ``math.inf``.
     """
 
     name: str
@@ -150,27 +124,19 @@ class CodecInfo:
 @runtime_checkable
 class QuantizedCommCodec(Protocol):
     r"""
-    The codec contract, identical in shape to TorchRec's ``QuantizedCommCodec``.
-
-    ``encode`` turns a 1-D float tensor into a 1-D wire tensor of
-    :attr:`quantized_dtype`; ``decode`` turns it back. ``ctx`` is per-call state
-    from :meth:`create_context`; both must also accept ``ctx=None``. The context
-    never travels: anything the receiver needs (scales, exponents) is in-band.
-    A codec may also carry an ``info`` attribute (:class:`CodecInfo`).
+    The codec contract of :doc:`codecs`, shaped exactly like TorchRec's
+    ``QuantizedCommCodec``: any object with these members is a codec.
     """
 
     def encode(self, input_tensor: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
         r"""
         encode(input_tensor: Tensor, ctx: Any | None = None) -> Tensor
 
-        Encodes a 1-D float tensor into a 1-D wire tensor.
+        Float tensor in, wire tensor of :attr:`quantized_dtype` out.
 
         Args:
-            input_tensor (Tensor): the values to send.
-            ctx (Any, optional): per-call context. Default: ``None``.
-
-        Returns:
-            Tensor: the wire tensor, of :attr:`quantized_dtype`.
+            input_tensor (Tensor): the float tensor.
+            ctx (Any, optional): from :meth:`create_context`. Default: ``None``.
         """
         ...
 
@@ -178,38 +144,28 @@ class QuantizedCommCodec(Protocol):
         r"""
         decode(input_grad: Tensor, ctx: Any | None = None) -> Tensor
 
-        Decodes a wire tensor back into floats.
+        Wire tensor in, float tensor out.
 
         Args:
-            input_grad (Tensor): the wire tensor received (TorchRec's name).
-            ctx (Any, optional): per-call context. Default: ``None``.
-
-        Returns:
-            Tensor: the decoded float tensor.
+            input_grad (Tensor): the wire tensor.
+            ctx (Any, optional): from :meth:`create_context`. Default: ``None``.
         """
         ...
 
     @property
     def quantized_dtype(self) -> torch.dtype:
-        r"""
-        quantized_dtype() -> torch.dtype
-
-        The dtype of the wire tensors :meth:`encode` returns.
-        """
+        r"""quantized_dtype() -> torch.dtype: the dtype of the wire; a property, read as an attribute."""
         ...
 
     def calc_quantized_size(self, input_len: int, ctx: Any | None = None) -> int:
         r"""
         calc_quantized_size(input_len: int, ctx: Any | None = None) -> int
 
-        Number of wire elements for ``input_len`` input elements.
+        Wire elements for ``input_len`` input elements.
 
         Args:
-            input_len (int): number of input elements.
-            ctx (Any, optional): per-call context. Default: ``None``.
-
-        Returns:
-            int: equals ``encode(x).numel()`` for any ``x`` of that length.
+            input_len (int): input elements.
+            ctx (Any, optional): from :meth:`create_context`. Default: ``None``.
         """
         ...
 
@@ -217,7 +173,7 @@ class QuantizedCommCodec(Protocol):
         r"""
         create_context() -> Any | None
 
-        Returns fresh per-call state, or ``None`` for a stateless codec.
+        Fresh per-call state, or ``None``.
         """
         ...
 
@@ -231,51 +187,48 @@ class QuantizedCommCodec(Protocol):
         r"""
         padded_size(input_tensor: Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: Any) -> tuple[int, int]
 
-        Column padding a block codec needs for a 2-D pooled input.
+        ``(padded_dim_sum, padding_size)`` of this rank's 2-D pooled input.
 
         Args:
-            input_tensor (Tensor): the 2-D input ``[batch, dim_sum]``.
-            dim_per_rank (list[int]): embedding dim sum of every rank.
+            input_tensor (Tensor): this rank's input.
+            dim_per_rank (list[int]): every rank's width.
             my_rank (int): this rank.
-            qcomm_ctx (Any): the call's context; block codecs record every
-                rank's padded width in ``qcomm_ctx.padded_dim_sum_per_rank``.
-
-        Returns:
-            tuple[int, int]: ``(padded_dim_sum, padding_size)`` for this rank.
+            qcomm_ctx (Any): from :meth:`create_context`; records every rank's padded width.
         """
         ...
 
 
-class NoOpQuantizedCommCodec:
+class NoOpQuantizedCommCodec(QuantizedCommCodec):
     r"""
-    The codec that changes nothing: float32 travels as is.
-
-    Used wherever no codec is configured. Unlike TorchRec's own no-op codec,
-    :attr:`quantized_dtype` is a property.
+    The codec that changes nothing, used wherever no codec is configured:
+    ``encode`` and ``decode`` return their input. Unlike TorchRec's, its
+    :attr:`quantized_dtype` is a property, not a method.
 
     Args:
-        dtype (torch.dtype, optional): the wire dtype reported. Default:
-            ``torch.float32``.
+        dtype (torch.dtype, optional): the wire dtype reported.
+            Default: ``torch.float32``.
 
     Examples::
 
-        >>> import torch
         >>> codec = NoOpQuantizedCommCodec()
         >>> x = torch.arange(4.0)
-        >>> codec.decode(codec.encode(x)).equal(x)
-        True
-        >>> codec.calc_quantized_size(10)
-        10
+        >>> codec.decode(codec.encode(x)).equal(x), codec.calc_quantized_size(10)
+        (True, 10)
     """
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self._dtype = dtype
         self.info = CodecInfo(
             name="noop",
-            bits_per_element=float(torch.finfo(dtype).bits),
+            bits_per_element=float(dtype_bits(dtype)),
             summable=True,
             rel_error_bound=0.0,
         )
+
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        r"""quantized_dtype() -> torch.dtype: the wire dtype, read as an attribute."""
+        return self._dtype
 
     def encode(self, input_tensor: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
         r"""
@@ -284,11 +237,8 @@ class NoOpQuantizedCommCodec:
         Returns ``input_tensor`` itself.
 
         Args:
-            input_tensor (Tensor): the values to send.
+            input_tensor (Tensor): the input.
             ctx (Any, optional): ignored. Default: ``None``.
-
-        Returns:
-            Tensor: ``input_tensor``.
         """
         return input_tensor
 
@@ -299,11 +249,8 @@ class NoOpQuantizedCommCodec:
         Returns ``input_grad`` itself.
 
         Args:
-            input_grad (Tensor): the wire tensor received.
+            input_grad (Tensor): the wire.
             ctx (Any, optional): ignored. Default: ``None``.
-
-        Returns:
-            Tensor: ``input_grad``.
         """
         return input_grad
 
@@ -313,16 +260,12 @@ class NoOpQuantizedCommCodec:
         r"""
         decode_into(input_grad: Tensor, out: Tensor, ctx: Any | None = None) -> None
 
-        Copies ``input_grad`` into ``out`` (the optional member of the
-        contract, see :doc:`codecs`).
+        Copies ``input_grad`` into ``out``, which has as many elements.
 
         Args:
-            input_grad (Tensor): the wire tensor received.
-            out (Tensor): where its values go: as many elements, any layout.
+            input_grad (Tensor): the wire.
+            out (Tensor): where to write.
             ctx (Any, optional): ignored. Default: ``None``.
-
-        Raises:
-            ValueError: if ``out`` does not have as many elements.
         """
         if out.numel() != input_grad.numel():
             raise ValueError(
@@ -330,27 +273,15 @@ class NoOpQuantizedCommCodec:
             )
         out.copy_(input_grad.view(out.shape))
 
-    @property
-    def quantized_dtype(self) -> torch.dtype:
-        r"""
-        quantized_dtype() -> torch.dtype
-
-        The wire dtype, ``torch.float32`` unless set otherwise.
-        """
-        return self._dtype
-
     def calc_quantized_size(self, input_len: int, ctx: Any | None = None) -> int:
         r"""
         calc_quantized_size(input_len: int, ctx: Any | None = None) -> int
 
-        Returns ``input_len``: one wire element per input element.
+        Returns ``input_len``.
 
         Args:
-            input_len (int): number of input elements.
+            input_len (int): input elements.
             ctx (Any, optional): ignored. Default: ``None``.
-
-        Returns:
-            int: ``input_len``.
         """
         return input_len
 
@@ -358,7 +289,7 @@ class NoOpQuantizedCommCodec:
         r"""
         create_context() -> None
 
-        The no-op codec keeps no per-call state.
+        No context: returns ``None``.
         """
         return None
 
@@ -372,16 +303,13 @@ class NoOpQuantizedCommCodec:
         r"""
         padded_size(input_tensor: Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: Any) -> tuple[int, int]
 
-        No padding: returns this rank's width and ``0``.
+        No padding: ``(dim_per_rank[my_rank], 0)``.
 
         Args:
-            input_tensor (Tensor): the 2-D input ``[batch, dim_sum]``.
-            dim_per_rank (list[int]): embedding dim sum of every rank.
+            input_tensor (Tensor): this rank's input.
+            dim_per_rank (list[int]): every rank's width.
             my_rank (int): this rank.
             qcomm_ctx (Any): ignored.
-
-        Returns:
-            tuple[int, int]: ``(dim_per_rank[my_rank], 0)``.
         """
         return dim_per_rank[my_rank], 0
 
@@ -392,31 +320,19 @@ class NoOpQuantizedCommCodec:
 @dataclasses.dataclass
 class QuantizedCommCodecs:
     r"""
-    The codec pair of one collective: ``forward`` encodes the collective's
-    output direction, ``backward`` the gradients sent back.
-
-    The same shape as TorchRec's ``QuantizedCommCodecs``: a dict of these keyed
-    by :class:`CommOp` name is a valid ``qcomm_codecs_registry``.
+    The codec pair of one collective, as TorchRec's ``QuantizedCommCodecs``:
+    ``forward`` for the collective's output, ``backward`` for the gradients.
 
     Args:
-        forward (QuantizedCommCodec, optional): codec of the forward pass.
-            Default: a :class:`NoOpQuantizedCommCodec`.
-        backward (QuantizedCommCodec, optional): codec of the backward pass.
-            Default: a :class:`NoOpQuantizedCommCodec`.
+        forward (QuantizedCommCodec, optional): Default: a
+            :class:`NoOpQuantizedCommCodec`.
+        backward (QuantizedCommCodec, optional): Default: a
+            :class:`NoOpQuantizedCommCodec`.
     """
 
     forward: Any = dataclasses.field(default_factory=NoOpQuantizedCommCodec)
     backward: Any = dataclasses.field(default_factory=NoOpQuantizedCommCodec)
 
-
-_DTYPE_BITS = {
-    torch.bool: 8,
-    torch.uint8: 8,
-    torch.int8: 8,
-    torch.int16: 16,
-    torch.int32: 32,
-    torch.int64: 64,
-}
 
 # The members every codec has (the contract, docs/codecs.rst).
 CODEC_MEMBERS = (
@@ -430,12 +346,26 @@ CODEC_MEMBERS = (
 
 
 def dtype_bits(dtype: torch.dtype) -> int:
-    """Bits of one element of ``dtype``."""
-    return _DTYPE_BITS.get(dtype) or torch.finfo(dtype).bits
+    r"""
+    dtype_bits(dtype: torch.dtype) -> int
+
+    Bits of one element of ``dtype``.
+
+    Args:
+        dtype (torch.dtype): the dtype.
+    """
+    return dtype.itemsize * 8
 
 
 def contract_problem(value: Any) -> str | None:
-    """How ``value`` breaks the codec contract, or ``None`` if it follows it."""
+    r"""
+    contract_problem(value: Any) -> str | None
+
+    How ``value`` breaks the codec contract, or ``None`` if it follows it.
+
+    Args:
+        value (Any): the would-be codec.
+    """
     kind = type(value).__name__
     if value is None:
         return "None"
@@ -463,15 +393,11 @@ def read_quantized_dtype(codec: Any) -> Any:
     r"""
     read_quantized_dtype(codec: Any) -> Any
 
-    The codec's ``quantized_dtype``, read as a property or, as TorchRec's own
-    no-op codec has it, called as a method. What comes back is not checked:
-    callers decide what a value that is not a ``torch.dtype`` means.
+    The codec's ``quantized_dtype``, read as a property or, as TorchRec's no-op
+    codec has it, called; ``None`` when missing. The value is not checked.
 
     Args:
-        codec (Any): any object following the codec contract.
-
-    Returns:
-        Any: the wire dtype, or ``None`` when the codec has no such member.
+        codec (Any): the codec.
 
     Examples::
 
@@ -488,15 +414,11 @@ def codec_info(codec: Any) -> CodecInfo:
     r"""
     codec_info(codec: Any) -> CodecInfo
 
-    The codec's :class:`CodecInfo`, or conservative defaults for a foreign codec
-    without one: not summable, stateful, no error bound promised, and the wire
-    dtype's width as bits per element.
+    The codec's :class:`CodecInfo`, or conservative defaults for a codec
+    without one: not summable, stateful, no error bound, the wire dtype's bits.
 
     Args:
-        codec (Any): any object following the codec contract.
-
-    Returns:
-        CodecInfo: what the codec declares, or what may safely be assumed.
+        codec (Any): the codec.
 
     Examples::
 

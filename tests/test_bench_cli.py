@@ -17,9 +17,8 @@ from fake_dists import activate, make_dist
 
 import qcomm
 from qcomm import CodecError, CommOp, codec_info
-from qcomm.bench import config_from_args
-from qcomm.benchmark.codecs import default_codecs
-from qcomm.benchmark.collectives import base_input, make_case
+from qcomm.benchmark.candidates import default_codecs
+from qcomm.benchmark.command import config_from_args
 from qcomm.benchmark.launch import spawn_local
 from qcomm.benchmark.metrics import (
     TCP_EFFICIENCY,
@@ -41,6 +40,7 @@ from qcomm.benchmark.options import (
     split_codec_list,
 )
 from qcomm.benchmark.report import format_report, jsonable
+from qcomm.benchmark.series import base_input, make_case
 from qcomm.benchmark.timing import calls_for_budget
 from qcomm.cli import build_parser
 from qcomm.cli import main as cli_main

@@ -178,7 +178,7 @@ def test_three_ranks_meet_through_a_switch(tmp_path: Any) -> None:
 def test_without_the_tools_it_stops_at_once_saying_what_is_missing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(qlink.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
     started = time.monotonic()
     status = spawn_local(BenchConfig(link="1gbit", codecs=["noop"], fbgemm=False))
     assert status == 2 and time.monotonic() - started < 5
@@ -189,8 +189,8 @@ def test_without_the_tools_it_stops_at_once_saying_what_is_missing(
 def test_without_root_it_stops_at_once_saying_what_is_missing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(qlink.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
-    monkeypatch.setattr(qlink.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     status = spawn_local(BenchConfig(link="1gbit", codecs=["noop"], fbgemm=False))
     assert status == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -209,7 +209,7 @@ def test_rates_read_like_tc() -> None:
 
 
 def test_link_is_refused_under_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qcomm.bench import config_from_args
+    from qcomm.benchmark.command import config_from_args
     from qcomm.cli import build_parser
 
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "x")):

@@ -112,8 +112,9 @@ def test_loads_through_its_entry_point() -> None:
     assert (codec.group_size, codec.rounding) == (32, "even")
     assert codec.quantized_dtype == torch.uint8
     assert isinstance(type(codec).__dict__["quantized_dtype"], property)
-    codec = qcomm.load_codec("mx4:group_size=64,rounding=ceil")
-    assert (codec.group_size, codec.rounding) == (64, "ceil")
+    other = qcomm.load_codec("mx4:group_size=64,rounding=ceil")
+    assert isinstance(other, MX4Codec)
+    assert (other.group_size, other.rounding) == (64, "ceil")
 
 
 @pytest.mark.parametrize("rounding", ROUNDING_MODES)

@@ -1,5 +1,5 @@
 r"""
-The built-in codecs fp16, bf16, int8, fp8_e4m3, fp8_e5m2 and fp8_e4m3_tensor,
+The built-in codecs fp16, bf16, int4, int8, fp8_e4m3, fp8_e5m2 and fp8_e4m3_tensor,
 reached through their entry points: the codec contract, the conformance kit,
 the declared error bounds against float64 references, the wire formats,
 non-finite input, bad options and malformed wire (mx4: test_codec_mx4.py).
@@ -13,6 +13,7 @@ import doctest
 import importlib
 import math
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -20,12 +21,23 @@ import torch
 import qcomm
 from qcomm.testing import check_codec
 
+
+def _load(spec: str, **options: Any) -> Any:
+    # load_codec is typed with the contract's protocol; these tests also read
+    # the members a codec class adds (info, row_dim, block, decode_into, ...).
+    return qcomm.load_codec(spec, **options)
+
+
 SPECS = [
     "fp16",
     "fp16:loss_scale=1024",
     "fp16:loss_scale=0.125",
     "bf16",
     "bf16:loss_scale=3.5",
+    "int4",
+    "int4:row_dim=1",
+    "int4:row_dim=5",
+    "int4:row_dim=64",
     "int8",
     "int8:row_dim=1",
     "int8:row_dim=5",
@@ -36,8 +48,8 @@ SPECS = [
     "fp8_e5m2:row_dim=128",
     "fp8_e4m3_tensor",
 ]
-BLOCK_SPECS = [s for s in SPECS if s.startswith(("int8", "fp8")) and not s.endswith("_tensor")]
-MODULES = ["qcomm_builtin._blocks", "qcomm_builtin._fbgemm"]
+BLOCK_SPECS = [s for s in SPECS if s.startswith(("int", "fp8")) and not s.endswith("_tensor")]
+MODULES = ["qcomm_builtin._fbgemm", "qcomm_builtin.int4"]
 MODULES += ["qcomm_builtin.half", "qcomm_builtin.int8", "qcomm_builtin.fp8"]
 MODULES += ["qcomm_builtin._native", "qcomm_builtin.fp8_tensor"]
 
@@ -95,6 +107,7 @@ def _declared_bound(info: qcomm.CodecInfo, x: torch.Tensor) -> torch.Tensor:
     [
         ("fp16", "FP16Codec"),
         ("bf16", "BF16Codec"),
+        ("int4", "Int4Codec"),
         ("int8", "Int8Codec"),
         ("fp8_e4m3", "FP8E4M3Codec"),
         ("fp8_e5m2", "FP8E5M2Codec"),
@@ -102,7 +115,7 @@ def _declared_bound(info: qcomm.CodecInfo, x: torch.Tensor) -> torch.Tensor:
     ],
 )
 def test_entry_point_loads_the_class(name: str, cls: str) -> None:
-    codec = qcomm.load_codec(name)
+    codec = _load(name)
     assert type(codec).__name__ == cls
     assert codec.info.name == name
     assert isinstance(codec, qcomm.QuantizedCommCodec)
@@ -110,7 +123,7 @@ def test_entry_point_loads_the_class(name: str, cls: str) -> None:
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_passes_conformance_kit(spec: str) -> None:
-    report = check_codec(qcomm.load_codec(spec))
+    report = check_codec(_load(spec))
     assert report.worst_error <= 1.0
     assert "round_trip" in report.rules and "padded_size" in report.rules
 
@@ -120,7 +133,7 @@ def test_int8_torch_fallback_passes_conformance_kit(
     spec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("QCOMM_DISABLE_FBGEMM", "1")
-    assert check_codec(qcomm.load_codec(spec)).worst_error <= 1.0
+    assert check_codec(_load(spec)).worst_error <= 1.0
 
 
 def test_docstring_examples_run() -> None:
@@ -135,7 +148,7 @@ def test_docstring_examples_run() -> None:
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_round_trip_within_declared_bound(spec: str) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     info = codec.info
     n = 4096 + 3  # a partial last row too
     for label, x in _datasets(n, info.max_abs_input).items():
@@ -152,12 +165,12 @@ def test_round_trip_within_declared_bound(spec: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "spec", ["fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_tensor"]
+    "spec", ["fp16", "bf16", "int4", "int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_tensor"]
 )
 def test_declared_bound_is_not_loose(spec: str) -> None:
     # The relative part must be reached to within a factor of 2 on normal data:
     # a bound declared far too wide would make the round-trip tests vacuous.
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     x = torch.randn(1 << 16, generator=_gen(2)).clamp(
         -codec.info.max_abs_input, codec.info.max_abs_input
     )
@@ -171,7 +184,7 @@ def test_declared_bound_is_not_loose(spec: str) -> None:
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_calc_quantized_size_matches_encode(spec: str) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     for n in [0, 1, 2, 3, 31, 97, 1009, 65537, 1_000_003]:
         x = torch.randn(n, generator=_gen(n))
         for ctx in (None, codec.create_context()):
@@ -182,7 +195,7 @@ def test_calc_quantized_size_matches_encode(spec: str) -> None:
 
 @pytest.mark.parametrize("spec", BLOCK_SPECS)
 def test_sizes_add_up_for_aligned_lengths_and_split_wire_decodes(spec: str) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     d = codec.row_dim
     counts = [3 * d, 0, d, 5 * d]
     pieces = [torch.randn(c, generator=_gen(c)) * 10.0**i for i, c in enumerate(counts)]
@@ -196,7 +209,7 @@ def test_sizes_add_up_for_aligned_lengths_and_split_wire_decodes(spec: str) -> N
 
 @pytest.mark.parametrize("spec", BLOCK_SPECS)
 def test_padded_size_pads_every_rank_to_whole_rows(spec: str) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     d = codec.row_dim
     dims = [d + 1, 2 * d, 0, 3]
     ctx = codec.create_context()
@@ -217,7 +230,7 @@ def test_padded_size_pads_every_rank_to_whole_rows(spec: str) -> None:
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_padded_size_rejects_a_wrong_width(spec: str) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     with pytest.raises(ValueError, match="dim_per_rank"):
         codec.padded_size(torch.zeros(2, 5), [4, 4], 0, codec.create_context())
     with pytest.raises(ValueError, match="my_rank"):
@@ -226,21 +239,23 @@ def test_padded_size_rejects_a_wrong_width(spec: str) -> None:
 
 @pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e4m3_tensor"])
 def test_casts_need_no_context_nor_padding(name: str) -> None:
-    codec = qcomm.load_codec(name)
+    codec = _load(name)
     assert codec.create_context() is None
     assert codec.padded_size(torch.zeros(3, 7), [7, 9], 0, None) == (7, 0)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int8:row_dim=5", "fp8_e4m3", "fp8_e5m2:row_dim=7"])
+@pytest.mark.parametrize(
+    "spec", ["int4:row_dim=5", "int8", "int8:row_dim=5", "fp8_e4m3", "fp8_e5m2:row_dim=7"]
+)
 def test_rows_not_whole_blocks_are_padded_row_by_row(spec: str) -> None:
     # As fbgemm pads MX4 rows: no block straddles two rows, so TorchRec may
-    # cut the wire between any two rows. int8 pads with the row's last
-    # element (keeping its minimum and maximum), fp8 with zeros.
-    codec = qcomm.load_codec(spec)
+    # cut the wire between any two rows. int4 and int8 pad with the row's
+    # last element (keeping its minimum and maximum), fp8 with zeros.
+    codec = _load(spec)
     d = codec.row_dim
     x = torch.randn(9, 2 * d + 3, generator=_gen(5))
     width = 3 * d
-    fill = x[:, -1:].expand(9, width - x.shape[1]) if spec.startswith("int8") else 0.0
+    fill = x[:, -1:].expand(9, width - x.shape[1]) if spec.startswith("int") else 0.0
     padded = torch.cat([x, torch.zeros(9, width - x.shape[1]) + fill], dim=1)
     wire = codec.encode(x)
     assert torch.equal(wire, codec.encode(padded.reshape(-1)))
@@ -261,12 +276,12 @@ def test_rows_not_whole_blocks_are_padded_row_by_row(spec: str) -> None:
     assert torch.equal(out.view(-1), y)
 
 
-@pytest.mark.parametrize("spec", ["int8", "fp8_e4m3", "mx4:group_size=8"])
+@pytest.mark.parametrize("spec", ["int4", "int8", "fp8_e4m3", "mx4:group_size=8"])
 def test_a_cut_inside_a_block_or_row_is_refused_before_sending(spec: str) -> None:
     # TorchRec encodes once and cuts the wire by calc_quantized_size of each
     # destination's share; a share that is not whole blocks (whole rows)
     # would send one block to two ranks.
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     b = codec.info.error_block
     flat = codec.create_context()
     codec.encode(torch.randn(5 * b + 3), flat)
@@ -283,14 +298,14 @@ def test_a_cut_inside_a_block_or_row_is_refused_before_sending(spec: str) -> Non
         codec.calc_quantized_size(b, rows)
     # Before any encode (qcomm's collectives size their receives first), or
     # without a context, any length is counted in blocks.
-    assert codec.calc_quantized_size(b + 1, codec.create_context()) == 2 * codec.block_bytes
-    assert codec.calc_quantized_size(b + 1) == 2 * codec.block_bytes
+    assert codec.calc_quantized_size(b + 1, codec.create_context()) == 2 * codec.wire_per_block
+    assert codec.calc_quantized_size(b + 1) == 2 * codec.wire_per_block
 
 
 def test_input_of_any_shape_layout_and_float_dtype_is_read_flat() -> None:
     base = torch.randn(64, 64, generator=_gen(3))
-    for spec in ["fp16", "bf16", "int8", "fp8_e4m3", "fp8_e4m3_tensor"]:
-        codec = qcomm.load_codec(spec)
+    for spec in ["fp16", "bf16", "int4", "int8", "fp8_e4m3", "fp8_e4m3_tensor"]:
+        codec = _load(spec)
         flat = codec.encode(base.reshape(-1))
         # Element-wise casts keep the input's shape (TorchRec's reduce-scatter
         # reads it); block codecs return a flat wire, reading rows of whole
@@ -317,16 +332,16 @@ def test_fp16_and_bf16_wire_is_the_clamped_cast() -> None:
     for name, dtype in [("fp16", torch.float16), ("bf16", torch.bfloat16)]:
         hi = torch.finfo(dtype).max
         ref = torch.clamp(x.double() * 8.0, -hi, hi).float().to(dtype)
-        wire = qcomm.load_codec(name, loss_scale=8.0).encode(x)
+        wire = _load(name, loss_scale=8.0).encode(x)
         assert torch.equal(wire.view(torch.int16), ref.view(torch.int16))
-        back = qcomm.load_codec(name, loss_scale=8.0).decode(wire)
+        back = _load(name, loss_scale=8.0).decode(wire)
         assert torch.equal(back, ref.float() / 8.0)
 
 
 def test_half_codecs_are_summable() -> None:
     a, b = torch.randn(1000, generator=_gen(5)), torch.randn(1000, generator=_gen(6))
     for name in ["fp16", "bf16"]:
-        codec = qcomm.load_codec(name)
+        codec = _load(name)
         assert codec.info.summable
         total = codec.decode(codec.encode(a) + codec.encode(b))
         bound = 3 * (_declared_bound(codec.info, a) + _declared_bound(codec.info, b))
@@ -334,7 +349,7 @@ def test_half_codecs_are_summable() -> None:
 
 
 def test_int8_wire_layout() -> None:
-    codec = qcomm.load_codec("int8:row_dim=4")
+    codec = _load("int8:row_dim=4")
     wire = codec.encode(torch.tensor([0.0, 1.0, 2.0, 3.0, 5.0, 5.0, 5.0, 5.0]))
     rows = wire.view(2, 12)
     assert rows[0, :4].tolist() == [0, 85, 170, 255]
@@ -347,9 +362,24 @@ def test_int8_wire_layout() -> None:
     assert part.view(2, 12)[1, :4].tolist() == [0, 255, 255, 255]
 
 
+def test_int4_wire_layout() -> None:
+    # Per row: codes two per byte (element 2i in the low nibble), then the
+    # float16 scale and bias; the bias rounds down and the scale up, so no
+    # code saturates.
+    codec = _load("int4:row_dim=5")
+    x = torch.tensor([0.0, 1.0, 7.5, 15.0, 3.0, 0.1, 0.1, 0.1, 0.1, 0.2])
+    rows = codec.encode(x).view(2, 7)
+    assert rows[0, :3].tolist() == [0 | 1 << 4, 8 | 15 << 4, 3]
+    meta = rows[:, 3:].clone().view(torch.float16).float()
+    assert meta[0].tolist() == [1.0, 0.0]
+    scale, bias = meta[1].tolist()
+    assert bias <= 0.1 < bias + 2**-13 and scale * 15 >= 0.2 - bias
+    assert scale < torch.tensor((0.2 - bias) / 15).half().float().item() * (1 + 2**-9)
+
+
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_wire_layout(name: str) -> None:
-    codec = qcomm.load_codec(name, row_dim=5)  # values padded to 8 bytes
+    codec = _load(name, row_dim=5)  # values padded to 8 bytes
     x = torch.randn(10, generator=_gen(7))
     rows = codec.encode(x).view(2, 16)
     assert rows[:, 5:8].eq(0).all() and rows[:, 12:].eq(0).all()
@@ -369,6 +399,8 @@ def test_fp8_wire_layout(name: str) -> None:
     [
         ("fp16", 16.0),
         ("bf16", 16.0),
+        ("int4", 4 + 32 / 32),
+        ("int4:row_dim=5", 8 * 7 / 5),
         ("int8", 8 + 64 / 32),
         ("int8:row_dim=5", 8 + 64 / 5),
         ("fp8_e4m3", 8 * 40 / 32),
@@ -377,7 +409,7 @@ def test_fp8_wire_layout(name: str) -> None:
     ],
 )
 def test_info_declares_true_bits_and_summability(spec: str, bits: float) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     assert codec.info.bits_per_element == pytest.approx(bits)
     assert codec.info.summable == spec.startswith(("fp16", "bf16"))
     assert not codec.info.stochastic and not codec.info.stateful
@@ -387,9 +419,10 @@ def test_info_declares_true_bits_and_summability(spec: str, bits: float) -> None
 
 
 def test_default_row_dim_is_fbgemms() -> None:
-    assert qcomm.load_codec("int8").row_dim == 32
-    assert qcomm.load_codec("fp8_e4m3").row_dim == 32
-    assert qcomm.load_codec("fp8_e5m2").row_dim == 32
+    assert _load("int4").row_dim == 32
+    assert _load("int8").row_dim == 32
+    assert _load("fp8_e4m3").row_dim == 32
+    assert _load("fp8_e5m2").row_dim == 32
 
 
 def test_fp8_tensor_is_an_unscaled_clamped_cast() -> None:
@@ -397,7 +430,7 @@ def test_fp8_tensor_is_an_unscaled_clamped_cast() -> None:
     # no scale, values clamped to its largest, 0.9375; one byte per element,
     # in the input's shape (TorchRec's reduce-scatter backward all-gathers it
     # into a buffer of the gradient's shape).
-    codec = qcomm.load_codec("fp8_e4m3_tensor")
+    codec = _load("fp8_e4m3_tensor")
     info = codec.info
     assert (info.bits_per_element, info.summable, info.error_block) == (8.0, False, 1)
     assert (info.rel_error_bound, info.abs_error_bound, info.max_abs_input) == (
@@ -435,7 +468,7 @@ def test_fp8_tensor_may_be_the_reduce_scatter_backward() -> None:
 @pytest.mark.parametrize("name, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_half_codecs_keep_nan_and_saturate_inf(name: str, dtype: torch.dtype) -> None:
     hi = torch.finfo(dtype).max
-    codec = qcomm.load_codec(name)
+    codec = _load(name)
     x = torch.tensor([math.nan, math.inf, -math.inf, 3e38, -3.4e38, 1.0])
     y = codec.decode(codec.encode(x))
     assert math.isnan(y[0].item())
@@ -445,15 +478,17 @@ def test_half_codecs_keep_nan_and_saturate_inf(name: str, dtype: torch.dtype) ->
 
 
 def _check_non_finite_rows(spec: str) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     d = codec.row_dim
     rows = 6
     x = torch.randn(rows * d, generator=_gen(8))
     x[0] = math.nan  # row 0
     x[2 * d + d - 1] = math.inf  # row 2
     x[3 * d] = -math.inf  # row 3
-    overflow = spec.startswith("int8") and d > 1
-    if overflow:
+    overflow = spec.startswith("int4") or (spec.startswith("int8") and d > 1)
+    if spec.startswith("int4"):
+        x[4 * d] = -1e5  # row 4: its bias is beyond float16
+    elif overflow:
         x[4 * d], x[4 * d + 1] = -3e38, 3e38  # row 4: max - min overflows float32
     y = codec.decode(codec.encode(x)).view(rows, d)
     bad = {0, 2, 3} | ({4} if overflow else set())
@@ -475,24 +510,29 @@ def test_int8_turns_a_non_finite_row_into_nan(spec: str, int8_path: str) -> None
     _check_non_finite_rows(spec)
 
 
+@pytest.mark.parametrize("spec", [s for s in BLOCK_SPECS if s.startswith("int4")])
+def test_int4_turns_a_non_finite_or_too_wide_row_into_nan(spec: str) -> None:
+    _check_non_finite_rows(spec)
+
+
 # -- bad options, bad input, malformed wire ---------------------------------------
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["int4", "int8", "fp8_e4m3", "fp8_e5m2"])
 def test_bad_row_dim_is_refused(name: str) -> None:
-    cls = type(qcomm.load_codec(name))
+    cls = type(_load(name))
     for bad, err in [(0, ValueError), (-4, ValueError), (2.5, TypeError), ("32", TypeError)]:
         with pytest.raises(err, match="row_dim"):
             cls(row_dim=bad)
     with pytest.raises(TypeError, match="row_dim"):
         cls(row_dim=True)
     with pytest.raises(qcomm.CodecError, match="row_dim"):
-        qcomm.load_codec(f"{name}:row_dim=0")
+        _load(f"{name}:row_dim=0")
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 def test_bad_loss_scale_is_refused(name: str) -> None:
-    cls = type(qcomm.load_codec(name))
+    cls = type(_load(name))
     for bad in [0.0, -1.0, math.nan, math.inf]:
         with pytest.raises(ValueError, match="loss_scale"):
             cls(loss_scale=bad)
@@ -500,7 +540,7 @@ def test_bad_loss_scale_is_refused(name: str) -> None:
         with pytest.raises(TypeError, match="loss_scale"):
             cls(loss_scale=bad_type)
     with pytest.raises(qcomm.CodecError, match="loss_scale"):
-        qcomm.load_codec(f"{name}:loss_scale=-2")
+        _load(f"{name}:loss_scale=-2")
     assert cls(loss_scale=4).loss_scale == 4.0
 
 
@@ -515,15 +555,15 @@ def test_loss_scale_outside_float32_is_refused(name: str, bad: float) -> None:
     # inf (1.0 came back as 0.0, 0.0 as NaN), below its smallest normal value
     # it becomes 0 or loses precision.
     with pytest.raises(ValueError, match="loss_scale.*float32"):
-        type(qcomm.load_codec(name))(loss_scale=bad)
+        type(_load(name))(loss_scale=bad)
     with pytest.raises(qcomm.CodecError, match="loss_scale"):
-        qcomm.load_codec(f"{name}:loss_scale={bad!r}")
+        _load(f"{name}:loss_scale={bad!r}")
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 @pytest.mark.parametrize("scale", [2.0**-126, FLOAT32_MAX])
 def test_extreme_loss_scales_keep_their_declared_bound(name: str, scale: float) -> None:
-    codec = qcomm.load_codec(name, loss_scale=scale)
+    codec = _load(name, loss_scale=scale)
     x = torch.tensor([0.0, -0.0, 1.0, -3.0, 1e-30, 2.0**-149, 1e30, FLOAT32_MAX])
     y = codec.decode(codec.encode(x))
     assert not bool(y.isnan().any())
@@ -532,23 +572,23 @@ def test_extreme_loss_scales_keep_their_declared_bound(name: str, scale: float) 
     assert bool((err <= _declared_bound(codec.info, x)[inside]).all())
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2", "mx4"])
+@pytest.mark.parametrize("name", ["int4", "int8", "fp8_e4m3", "fp8_e5m2", "mx4"])
 def test_block_size_beyond_the_limit_is_refused(name: str) -> None:
     # A partial block is padded to a whole one: a block of 2**32 made a
     # one-element tensor cost 16 GiB.
     option = "group_size" if name == "mx4" else "row_dim"
-    cls = type(qcomm.load_codec(name))
+    cls = type(_load(name))
     assert getattr(cls(**{option: 1 << 16}), option) == 1 << 16
     for bad in [(1 << 16) + 2, 1 << 32]:
         with pytest.raises(ValueError, match=f"{option}.*65536"):
             cls(**{option: bad})
     with pytest.raises(qcomm.CodecError, match=option):
-        qcomm.load_codec(f"{name}:{option}=4294967296")
+        _load(f"{name}:{option}=4294967296")
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_encode_refuses_non_float_input(spec: str) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     with pytest.raises(TypeError, match="floating-point"):
         codec.encode(torch.arange(8))
     with pytest.raises(TypeError, match="Tensor"):
@@ -557,7 +597,7 @@ def test_encode_refuses_non_float_input(spec: str) -> None:
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_decode_refuses_malformed_wire(spec: str) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     wire = codec.encode(torch.randn(256, generator=_gen(9)))
     wrong = torch.float32 if wire.dtype != torch.float32 else torch.float16
     with pytest.raises(ValueError, match="dtype"):
@@ -574,7 +614,7 @@ def test_decode_refuses_malformed_wire(spec: str) -> None:
 @pytest.mark.parametrize("spec", SPECS)
 def test_calc_quantized_size_refuses_a_negative_length(spec: str) -> None:
     with pytest.raises(ValueError, match="input_len"):
-        qcomm.load_codec(spec).calc_quantized_size(-1)
+        _load(spec).calc_quantized_size(-1)
 
 
 # -- without fbgemm -----------------------------------------------------------
@@ -590,13 +630,14 @@ def test_every_codec_works_when_fbgemm_cannot_be_imported(monkeypatch: pytest.Mo
         for spec in [
             "fp16",
             "bf16",
+            "int4",
             "int8",
             "int8:row_dim=5",
             "fp8_e4m3",
             "fp8_e5m2",
             "fp8_e4m3_tensor",
         ]:
-            check_codec(qcomm.load_codec(spec), lengths=[0, 1, 7, 64, 1003])
+            check_codec(_load(spec), lengths=[0, 1, 7, 64, 1003])
     finally:
         _fbgemm._load.cache_clear()
 
@@ -615,7 +656,7 @@ def test_disable_env_turns_fbgemm_off(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cuda_wire_equals_cpu_wire() -> None:
     x = torch.randn(100_003, generator=_gen(10))
     for spec in SPECS:
-        codec = qcomm.load_codec(spec)
+        codec = _load(spec)
         cpu = codec.encode(x)
         gpu = codec.encode(x.cuda())
         assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu), spec

@@ -14,6 +14,9 @@ Bit-for-bit comparisons of the built-in codecs with fbgemm-gpu on CPU.
   TorchRec's default FP8 parameters and fbgemm's codec of ``SparseType.FP8``
   without a row dim (TorchRec's default FP8 comm); decoding equals
   ``hfp8_to_fp32``.
+- int4: fbgemm's ``FusedNBitRowwiseQuantizedSBHalfToFloat`` decodes its wire
+  to the same values (the layout is fbgemm's; its encoder rounds the scale
+  and bias to nearest, so the bytes differ).
 
 Skipped as a whole where fbgemm-gpu is not installed.
 """
@@ -132,6 +135,19 @@ def test_int8_fallback_equals_fbgemm_on_large_chunked_input(
     assert torch.equal(codec.encode(x), wire)
     assert torch.equal(_bits(codec.decode(wire)), _bits(decoded))
     assert int(decoded.isnan().sum()) == 32
+
+
+# -- int4 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [2, 8, 32, 64])
+def test_int4_wire_decodes_as_fbgemms_fused_4bit_rows(d: int) -> None:
+    codec = qcomm.load_codec("int4", row_dim=d)
+    for x in _int8_inputs(d):
+        x = x.clamp(-6e4, 6e4)  # float16 scale and bias
+        wire = codec.encode(x)
+        theirs = OPS.FusedNBitRowwiseQuantizedSBHalfToFloat(wire.view(x.shape[0], -1), 4)
+        assert torch.equal(_bits(codec.decode(wire)), _bits(theirs))
 
 
 # -- fp8 ----------------------------------------------------------------------

@@ -30,7 +30,7 @@ import math
 import os
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -39,7 +39,6 @@ import torch.distributed as dist
 from dist_utils import RankFailure, per_world_size, run_ranks
 
 import qcomm
-import qcomm.collectives._args as qargs
 from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
 
 WORLD_SIZES = (2, 3)
@@ -327,9 +326,7 @@ def assert_equal(what: str, got: torch.Tensor, ref: torch.Tensor) -> None:
         raise AssertionError(f"{what}: not exact, max difference {diff}")
 
 
-def sum_bound(
-    xs: list[torch.Tensor], ss: list[torch.Tensor], info: CodecInfo, native: bool
-) -> torch.Tensor:
+def sum_bound(xs: list[torch.Tensor], ss: list[torch.Tensor], info: CodecInfo, native: bool) -> Any:
     r"""Error bound of a reduce-scatter output element, from the codec's bound.
 
     Each rank's value is encoded with error :math:`e_k \le r s_k + a` (``r``,
@@ -479,7 +476,7 @@ def check_sequence(
 
 # Uneven splits with zeros: ranks with no batch, no columns, no rows to send
 # or receive; widths that are not multiples of any codec's block.
-POOLED = {
+POOLED: dict[int, list[tuple[list[int], list[int]]]] = {
     2: [([3, 0], [2, 5]), ([2, 4], [0, 3]), ([1, 2], [9, 33]), ([0, 0], [3, 1])],
     3: [([3, 0, 2], [2, 5, 0]), ([0, 2, 1], [4, 0, 7]), ([2, 2, 2], [33, 1, 8])],
 }
@@ -487,13 +484,13 @@ REDUCE_SCATTER: dict[int, list[tuple[list[int] | None, tuple[int, ...]]]] = {
     2: [([3, 0], (5,)), (None, (4,)), ([1, 4], ()), ([2, 1], (3, 2))],
     3: [([2, 0, 3], (5,)), (None, (7,)), ([0, 4, 1], ()), ([1, 1, 2], (2, 3))],
 }
-SEQUENCE = {
+SEQUENCE: dict[int, list[tuple[list[list[int]], tuple[int, ...]]]] = {
     2: [([[2, 0], [3, 1]], (5,)), ([[0, 0], [4, 2]], (3,)), ([[1, 2], [2, 1]], (2, 3))],
     3: [([[2, 0, 1], [0, 0, 3], [1, 2, 0]], (5,)), ([[1, 1, 1], [2, 0, 2], [0, 3, 1]], (33,))],
 }
 
 
-def run_all(checks: list[Callable[[], None]]) -> None:
+def run_all(checks: Sequence[Callable[[], object]]) -> None:
     """Runs every check, then raises one AssertionError naming all that failed.
 
     Stopping at the first failed check would skip collectives that the other
@@ -639,6 +636,7 @@ def case_overlapped(rank: int, world: int) -> None:
         x, pending, g = start_call(rank, world, op, codec, i)
         out = pending.wait()
         (out * g).sum().backward()
+        assert x.grad is not None
         sequential.append((out.detach(), x.grad))
     started = [start_call(rank, world, op, codec, i) for op, codec, i in calls]
     # Waited for in reverse order, while all 20 are in flight.
@@ -687,13 +685,13 @@ def case_buffer_reuse(rank: int, world: int) -> None:
     # Without codecs a sequence all-to-all returns its receive buffer itself:
     # that one must never be reused while the caller holds it.
     column = [matrix[k][rank] for k in range(world)]
-    held = []
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i in range(3):
         x = [gen(f"bh{i}:{k}", (sum(matrix[k]), 1040), True) for k in range(world)]
-        out = qcomm.all_to_all_sequence(x[rank], input_splits=matrix[rank], output_splits=column)
+        call = qcomm.all_to_all_sequence(x[rank], input_splits=matrix[rank], output_splits=column)
         sent = [offsets(matrix[k]) for k in range(world)]
         ref = torch.cat([x[k][sent[k][rank] : sent[k][rank + 1]] for k in range(world)])
-        held.append((out.wait(), ref))
+        held.append((call.wait(), ref))
     for i, (out, ref) in enumerate(held):
         assert_equal(f"held output {i}", out, ref)
 
@@ -713,7 +711,10 @@ def expect(error: type[Exception], words: tuple[str, ...], fn: Callable[[], Any]
 def case_validation(rank: int, world: int) -> None:
     batches, dims = [2] * world, [3] * world
     x = torch.zeros(sum(batches), dims[rank])
-    a2a, rs, seq = qcomm.all_to_all_pooled, qcomm.reduce_scatter_pooled, qcomm.all_to_all_sequence
+    # Typed Any: the cases call them with arguments of the wrong types on purpose.
+    a2a: Any = qcomm.all_to_all_pooled
+    rs: Any = qcomm.reduce_scatter_pooled
+    seq: Any = qcomm.all_to_all_sequence
     ones = [1] * world
     cases: list[tuple[type[Exception], tuple[str, ...], Callable[[], Any]]] = [
         (TypeError, ("input", "Tensor"), lambda: a2a([[0.0]], batches, dims)),
@@ -765,12 +766,12 @@ def case_validation(rank: int, world: int) -> None:
     ]
     run_all([functools.partial(expect, error, words, fn) for error, words, fn in cases])
     # A CPU tensor on an NCCL group (the backend is faked: this machine has no GPU).
-    real_get_backend = qargs.dist.get_backend
-    qargs.dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
+    real_get_backend = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment,return-value]
     try:
         expect(ValueError, ("input", "nccl", "cpu"), lambda: a2a(x, batches, dims))
     finally:
-        qargs.dist.get_backend = real_get_backend
+        dist.get_backend = real_get_backend
     # Nothing was sent by the failed calls: the group is still in step.
     check_pooled(rank, world, POOLED[world][0][0], POOLED[world][0][1], "after-validation", None)
 

@@ -166,8 +166,8 @@ def _ratio(err: torch.Tensor, bound: torch.Tensor) -> float:
 def _summed_bound(info: CodecInfo, parts: list[torch.Tensor]) -> torch.Tensor:
     # Each rank's part crosses the codec, then the wires are summed in the
     # wire format (summable: one more rounding per addition).
-    enc = sum(_bound(info, p) for p in parts)
-    total = sum(p.abs().double() for p in parts)
+    enc = torch.stack([_bound(info, p) for p in parts]).sum(dim=0)
+    total = torch.stack([p.abs().double() for p in parts]).sum(dim=0)
     return enc + (WORLD - 1) * info.rel_error_bound * (total + enc)
 
 
@@ -266,7 +266,7 @@ def _reduce_scatter(
     parts = [x[rank * b : (rank + 1) * b] for x in xs]
     rs = PooledEmbeddingsReduceScatter(dist.group.WORLD, codecs=codecs)
     g = torch.cat(gs)
-    y_ref = sum(parts)
+    y_ref = torch.stack(parts).sum(dim=0)
     return Run(
         lambda x: rs(x).wait(),
         xs[rank],

@@ -8,6 +8,7 @@ import pathlib
 import pickle
 import textwrap
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -204,7 +205,7 @@ class SumOverflows(HalfCodec):
 
 
 class NoContext(HalfCodec):
-    create_context = None  # a partial port of some other codec
+    create_context = None  # type: ignore[assignment]  # a partial port of some other codec
 
 
 class Foreign:
@@ -294,17 +295,15 @@ def test_example_plugin_is_discovered_and_passes():
     assert entry.value == "qcomm_example_codec.codec:ScaledFP16Codec"
     codec = qcomm.load_codec("example_fp16_scaled:block_size=16")
     report = check_codec(codec)
-    assert report.skipped == (
-        "summable (not declared summable)",
-        "decode_into (no decode_into)",
-    )
+    # The base class gives it decode_into too.
+    assert report.skipped == ("summable (not declared summable)",)
     assert 0.5 < report.worst_error <= 1.0
     # Lengths around its block of 16 are among those checked.
     assert {15, 16, 17, 31, 33, 167} <= set(report.lengths)
 
 
 def test_example_plugin_is_held_to_a_tighter_bound_it_does_not_keep():
-    codec = qcomm.load_codec("example_fp16_scaled")
+    codec: Any = qcomm.load_codec("example_fp16_scaled")
     codec.info = dataclasses.replace(codec.info, rel_error_bound=2.0**-12)
     with pytest.raises(ConformanceError, match="rule 'round_trip'"):
         check_codec(codec)
@@ -419,7 +418,7 @@ def test_cli_check(broken_dist, capsys):
     assert cli_main(["check", "noop", "example_fp16_scaled"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ok   noop: 12 rules passed")
-    assert out[1].startswith("ok   example_fp16_scaled: 10 rules passed")
+    assert out[1].startswith("ok   example_fp16_scaled: 11 rules passed")
     assert cli_main(["check", "noop", "liar", "no_such_codec"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ok   noop")
@@ -494,6 +493,7 @@ def _example_codec_in_torchrec(rank: int, world_size: int) -> list[float]:
                     for g in grads
                 ]
             )
+            assert x.grad is not None
             ratios.append(float(((x.grad - expected).abs() / (limit / world_size)).max()))
     return ratios
 

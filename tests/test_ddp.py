@@ -322,7 +322,7 @@ def case_all_reduce_sum(rank: int, world: int) -> None:
     residuals = Residuals()
     int8, fp16 = qcomm.load_codec("int8"), qcomm.load_codec("fp16")
     got = all_reduce(gs[rank].clone(), reduce_codec=int8, gather_codec=fp16, residuals=residuals)
-    bound = step_bound(gs, int8.info, fp16.info, False) * world
+    bound = step_bound(gs, qcomm.codec_info(int8), qcomm.codec_info(fp16), False) * world
     assert_within("all_reduce sum", got, exact_mean(gs[rank]) * world, bound)
     assert residuals.scatter is not None and residuals.gather is not None
     mine = layout(5000, world, 32)
@@ -401,7 +401,7 @@ def test_arguments_are_checked_before_anything_runs() -> None:
     with pytest.raises(ValueError, match="gather: the spec 'int8/fp16' already names"):
         qcomm.ddp_comm_hook("int8/fp16", gather="bf16")
     with pytest.raises(TypeError, match="error_feedback: expected a bool, got int"):
-        qcomm.ddp_comm_hook("int8", error_feedback=1)
+        qcomm.ddp_comm_hook("int8", error_feedback=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="chunk_bytes: expected a positive"):
         qcomm.ddp_comm_hook("int8", chunk_bytes=0)
     with pytest.raises(TypeError, match="spec: expected a codec spec"):

@@ -11,6 +11,7 @@ Each case ends with a valid exact call, which shows the ranks are in step.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -30,7 +31,7 @@ from test_collectives import (
 )
 
 import qcomm
-import qcomm.collectives._verify as qverify
+import qcomm.collectives._agreement as qverify
 from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
 
 WORLD = 3
@@ -243,12 +244,11 @@ def case_one_rank_fails(rank: int, world: int) -> None:
     s = [1] * world
     y = torch.ones(world, 4)
     huge = [2**63] + [1] * (world - 1)
-    G = Any  # a process group or None
 
-    def pooled(g: G) -> Any:
+    def pooled(g: Any) -> Any:  # g: a process group, or None
         return a2a(x, batches, dims, group=g).wait()
 
-    cases: list[tuple[str, type[Exception], Callable[[G], Any], Callable[[G], Any]]] = [
+    cases: list[tuple[str, type[Exception], Callable[[Any], Any], Callable[[Any], Any]]] = [
         (
             "invalid group",
             TypeError,
@@ -307,9 +307,12 @@ def codec_fails(rank: int, world: int) -> None:
         raises(
             CodecError,
             words,
-            lambda z=z: a2a(
-                z, [b * 64 for b in batches], dims, codecs=codecs, chunk_bytes=256
-            ).wait(),
+            functools.partial(
+                lambda z: a2a(
+                    z, [b * 64 for b in batches], dims, codecs=codecs, chunk_bytes=256
+                ).wait(),
+                z,
+            ),
         )
     g = torch.ones(sum(batches), dims[rank], requires_grad=True)
     out = a2a(g, batches, dims, codecs=codecs).wait()

@@ -22,6 +22,7 @@ import os
 import shutil
 import sysconfig
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -29,12 +30,19 @@ from qcomm_builtin import _fbgemm, _native, mx4
 
 import qcomm
 
-KERNELS = _native._load()
+KERNELS: Any = _native._load()  # the extension module: untyped
 needs_kernels = pytest.mark.skipif(
     KERNELS is None,
     reason="qcomm_builtin._kernels is not there (not built: no C compiler when qcomm was "
     "installed, or a build error): the codecs run their torch code",
 )
+
+
+def _load(spec: str, **options: Any) -> Any:
+    # load_codec is typed with the contract's protocol; these tests also read
+    # the members a codec class adds (info, row_dim, block, decode_into, ...).
+    return qcomm.load_codec(spec, **options)
+
 
 INT8_SPECS = [f"int8:row_dim={d}" for d in (1, 3, 7, 32, 64)]
 FP8_SPECS = [f"fp8_{f}:row_dim={d}" for f in ("e4m3", "e5m2") for d in (1, 3, 7, 32, 64)]
@@ -198,7 +206,7 @@ def _fallbacks(spec: str) -> list[str]:
 
 
 def _int8_meta_words(wire: torch.Tensor, codec, rows: torch.Tensor) -> torch.Tensor:
-    meta = wire.view(-1, codec.block_bytes)[rows][:, codec.block :]
+    meta = wire.view(-1, codec.wire_per_block)[rows][:, codec.block :]
     return meta.clone(memory_format=torch.contiguous_format).view(torch.int32)
 
 
@@ -213,7 +221,7 @@ def _check_encode(codec, spec: str, name: str, x: torch.Tensor, off, on) -> None
             _int8_meta_words(off, codec, mixed) & sign_free,
             _int8_meta_words(on, codec, mixed) & sign_free,
         ), what
-        rows_off, rows_on = off.view(-1, codec.block_bytes), on.view(-1, codec.block_bytes)
+        rows_off, rows_on = off.view(-1, codec.wire_per_block), on.view(-1, codec.wire_per_block)
         assert torch.equal(rows_off[mixed][:, : codec.block], rows_on[mixed][:, : codec.block])
         off, on = rows_off[~mixed], rows_on[~mixed]
     _assert_same(off, on, what)
@@ -224,7 +232,7 @@ def _check_encode(codec, spec: str, name: str, x: torch.Tensor, off, on) -> None
 def test_wire_and_values_are_the_same_with_and_without_kernels(
     spec: str, isa: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     for fallback in _fallbacks(spec):
         monkeypatch.setenv("QCOMM_DISABLE_FBGEMM", "1" if fallback == "torch" else "0")
         for name, x in _datasets(codec.block).items():
@@ -240,7 +248,7 @@ def _arbitrary_wires(codec, seed: int) -> dict[str, torch.Tensor]:
     rows = 3000
     wires = {
         "random bytes": torch.randint(
-            0, 256, (rows * codec.block_bytes,), dtype=torch.uint8, generator=g
+            0, 256, (rows * codec.wire_per_block,), dtype=torch.uint8, generator=g
         )
     }
     if codec.info.name == "mx4":
@@ -255,11 +263,11 @@ def _arbitrary_wires(codec, seed: int) -> dict[str, torch.Tensor]:
     scales = torch.tensor(specials + torch.randn(22, generator=g).tolist())
     values = torch.arange(256 * 32) % 256
     count = -(-values.numel() // codec.block)
-    w = torch.randint(0, 256, (count, codec.block_bytes), dtype=torch.uint8, generator=g)
+    w = torch.randint(0, 256, (count, codec.wire_per_block), dtype=torch.uint8, generator=g)
     w[:, : codec.block] = torch.nn.functional.pad(
         values, (0, count * codec.block - values.numel())
     )[: count * codec.block].view(count, codec.block)
-    meta = codec.block_bytes - 8
+    meta = codec.wire_per_block - 8
     pick = scales[torch.randint(0, scales.numel(), (count, 2), generator=g)]
     w[:, meta:] = pick.view(torch.uint8).view(count, 8)
     wires["every value byte, special scales"] = w.reshape(-1)
@@ -273,7 +281,7 @@ def _arbitrary_wires(codec, seed: int) -> dict[str, torch.Tensor]:
 def test_decode_of_arbitrary_wire_bytes_is_the_same_with_and_without_kernels(
     spec: str, isa: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     # int8's fallback when the kernels are off is the torch code here: fbgemm's
     # decoder rounds q * scale + bias twice in the columns past its vector
     # loop (row_dim not a multiple of 8), so it differs on some such wires.
@@ -310,7 +318,7 @@ def test_int8_decode_kernel_rounds_once_or_twice_as_asked(fused: bool) -> None:
 @needs_kernels
 def test_mx4_decode_of_every_byte_pair_equals_fbgemm(monkeypatch: pytest.MonkeyPatch) -> None:
     quantize_utils = pytest.importorskip("fbgemm_gpu.quantize_utils")
-    codec = qcomm.load_codec("mx4:group_size=512")
+    codec = _load("mx4:group_size=512")
     wire = _arbitrary_wires(codec, 0)["every (exponent, element) byte"]
     wire = wire.view(256, -1)[:255].reshape(-1)  # fbgemm reads 255 as 2**128
     ours = codec.decode(wire)
@@ -325,7 +333,7 @@ def test_long_input_crosses_chunks_and_pieces_encode_alone(
     x = torch.randn(3 * (1 << 20) + 17, generator=_gen(5)) * 100
     x[123_457] = math.nan
     for spec in ["int8", "fp8_e4m3", "fp8_e5m2:row_dim=100", "mx4", "mx4:rounding=floor"]:
-        codec = qcomm.load_codec(spec)
+        codec = _load(spec)
         off, on = _both(monkeypatch, codec.encode, x)
         _assert_same(off, on, f"{spec} [{isa}] encode")
         off, on = _both(monkeypatch, codec.decode, on)
@@ -338,7 +346,7 @@ def test_long_rows_and_groups(isa: str, monkeypatch: pytest.MonkeyPatch) -> None
     x = torch.randn(5 * 10_000 + 3, generator=_gen(6))
     x[7] = 1e30
     for spec in ["int8:row_dim=10000", "fp8_e5m2:row_dim=5001", "mx4:group_size=5000"]:
-        codec = qcomm.load_codec(spec)
+        codec = _load(spec)
         off, on = _both(monkeypatch, codec.encode, x)
         _assert_same(off, on, f"{spec} [{isa}] encode")
         off, on = _both(monkeypatch, codec.decode, on)
@@ -349,7 +357,7 @@ def test_long_rows_and_groups(isa: str, monkeypatch: pytest.MonkeyPatch) -> None
 def test_non_contiguous_and_non_float32_input(monkeypatch: pytest.MonkeyPatch) -> None:
     base = torch.randn(96, 40, generator=_gen(7))
     for spec in ["int8", "fp8_e4m3", "mx4"]:
-        codec = qcomm.load_codec(spec)
+        codec = _load(spec)
         for x in [base.t(), base[:, ::2], base.half(), base.double()]:
             off, on = _both(monkeypatch, codec.encode, x)
             _assert_same(off, on, f"{spec} encode of a {x.dtype} {list(x.stride())} input")
@@ -442,18 +450,18 @@ def test_mx4_encodes_with_torch_where_no_table_could_be_built(
     # form cannot follow; stochastic rounding never has a table.
     calls = []
 
-    def recorded(*args: object) -> torch.Tensor:
+    def recorded(*args: Any) -> torch.Tensor:
         calls.append(args[2])
         return encode_mx4(*args)
 
     encode_mx4 = mx4.encode_mx4
     monkeypatch.setattr(mx4, "encode_mx4", recorded)
     x = torch.randn(1000, generator=_gen(12))
-    expected = qcomm.load_codec("mx4:rounding=floor").encode(x)
+    expected = _load("mx4:rounding=floor").encode(x)
     assert calls == []
     monkeypatch.setattr(mx4, "_exponent_table", lambda rounding: None)
-    assert torch.equal(qcomm.load_codec("mx4:rounding=floor").encode(x), expected)
-    qcomm.load_codec("mx4:rounding=stochastic").encode(x)
+    assert torch.equal(_load("mx4:rounding=floor").encode(x), expected)
+    _load("mx4:rounding=stochastic").encode(x)
     assert calls == ["floor", "stochastic"]
 
 
@@ -510,7 +518,7 @@ def test_decode_into_writes_what_decode_returns(
     if kernels == "on" and KERNELS is None:
         pytest.skip(needs_kernels.kwargs["reason"])
     monkeypatch.setenv("QCOMM_DISABLE_KERNELS", "1" if kernels == "off" else "0")
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     block = getattr(codec, "block", 1)
     for name in ["normal", "nan and inf", "wide 1e-44..3e38", "empty"]:
         x = _datasets(block)[name]
@@ -525,7 +533,7 @@ def test_decode_into_writes_what_decode_returns(
 
 @pytest.mark.parametrize("spec", HALF_SPECS + ["int8", "fp8_e4m3", "mx4"])
 def test_decode_into_refuses_a_bad_out(spec: str) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     wire = codec.encode(torch.randn(256, generator=_gen(8)))
     n = codec.decode(wire).numel()
     for bad in [torch.empty(n, dtype=torch.float64), torch.empty(n + 1), torch.empty(n - 1)]:
@@ -537,7 +545,7 @@ def test_decode_into_refuses_a_bad_out(spec: str) -> None:
 
 @pytest.mark.parametrize("spec", HALF_SPECS + ["int8:row_dim=7", "fp8_e5m2", "mx4"])
 def test_decode_into_refuses_a_malformed_wire_like_decode(spec: str) -> None:
-    codec = qcomm.load_codec(spec)
+    codec = _load(spec)
     wire = codec.encode(torch.randn(224, generator=_gen(9)))
     out = torch.empty(codec.decode(wire).numel())
     bad_wires = [wire.to(torch.float32 if wire.dtype != torch.float32 else torch.float16)]
@@ -616,13 +624,14 @@ def test_decode_into_writes_lines_of_whole_blocks_directly(
 ) -> None:
     # A contiguous out, or a band of columns whose width is whole blocks, is
     # decoded in place: no decoded temporary to copy from.
-    codec = qcomm.load_codec(spec)
-    import qcomm_builtin._blocks as blocks
+    codec = _load(spec)
 
-    def no_copy(out: torch.Tensor, values: torch.Tensor) -> None:
+    def no_copy(self: qcomm.BlockCodec, wire: torch.Tensor, out: torch.Tensor) -> None:
         raise AssertionError("decode_into decoded into a temporary")
 
-    monkeypatch.setattr(blocks, "copy_into", no_copy)
+    # The base's dequantize_into decodes and copies: the codecs' kernels
+    # fall back on it where they cannot write `out` directly.
+    monkeypatch.setattr(qcomm.BlockCodec, "dequantize_into", no_copy)
     wire = codec.encode(torch.randn(24 * codec.block, generator=_gen(10)))
     expected = codec.decode(wire)
     for where, (out, _) in _outs(expected.numel(), codec.block).items():

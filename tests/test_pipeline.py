@@ -200,7 +200,7 @@ def case_failure_half_way_leaves_the_group_usable(rank: int, world: int) -> None
 def case_chunk_bytes_is_checked(rank: int, world: int) -> None:
     batches, dims = [2] * world, [3] * world
     x = torch.ones(sum(batches), dims[rank])
-    a2a = qcomm.all_to_all_pooled
+    a2a: Any = qcomm.all_to_all_pooled  # called with wrong types on purpose
     run_all(
         [
             functools.partial(

@@ -15,7 +15,9 @@ bound (exact for no codec and the foreign identity codec).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,7 +61,9 @@ def codec_pairs() -> dict[str, QuantizedCommCodecs]:
     for name in CODECS:
         if name is None or name in pairs:
             continue
-        make = LOCAL_CODECS.get(name) or (lambda name=name: qcomm.load_codec(name))
+        make: Callable[[], Any] = LOCAL_CODECS.get(name) or functools.partial(
+            qcomm.load_codec, name
+        )
         pairs[name] = QuantizedCommCodecs(make(), make())
     return pairs
 

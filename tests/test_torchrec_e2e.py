@@ -225,7 +225,8 @@ class Linear:
     def transpose(self, grad: torch.Tensor) -> dict[str, torch.Tensor]:
         self.model.zero_grad()
         (self.model(self.kjt) * grad).sum().backward()
-        return {n.split(".")[-2]: p.grad.clone() for n, p in self.model.named_parameters()}
+        grads = {n.split(".")[-2]: p.grad for n, p in self.model.named_parameters()}
+        return {n: g.clone() for n, g in grads.items() if g is not None}
 
 
 @dataclasses.dataclass

@@ -1,11 +1,8 @@
 r"""
-Lazy access to fbgemm-gpu's operators.
-
-fbgemm-gpu is optional: importing it costs about a second and it may be
-missing or fail to load (ABI mismatch with torch). Codecs ask for it on their
-first call and fall back to their own torch code when it is absent. Setting
-the environment variable ``QCOMM_DISABLE_FBGEMM=1`` forces that fallback,
-e.g. to compare both paths or to rule fbgemm out while debugging.
+Lazy access to fbgemm-gpu's operators, which are optional: importing them
+costs a second and may fail (an ABI mismatch with torch), so codecs ask on
+first use and fall back to torch code. ``QCOMM_DISABLE_FBGEMM=1`` forces the
+fallback, e.g. to compare both paths.
 """
 
 from __future__ import annotations
@@ -35,12 +32,8 @@ def fbgemm_ops() -> Any | None:
     r"""
     fbgemm_ops() -> Any | None
 
-    The ``torch.ops.fbgemm`` namespace with fbgemm-gpu's operators loaded, or
-    ``None`` when fbgemm-gpu is missing, fails to import, or is disabled by
-    ``QCOMM_DISABLE_FBGEMM``.
-
-    Returns:
-        Any | None: the operator namespace, or ``None``.
+    ``torch.ops.fbgemm`` with fbgemm-gpu's operators loaded, or ``None`` when it
+    is missing, fails to import, or is disabled.
 
     Examples::
 

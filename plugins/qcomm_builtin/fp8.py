@@ -1,24 +1,20 @@
 r"""
-The row-wise scaled FP8 codecs ``fp8_e4m3`` and ``fp8_e5m2``, in fbgemm-gpu's
-row-wise FP8 wire format (``FloatToFP8RowwiseQuantized``, the format TorchRec's
-FP8 comms send when ``fp8_quantize_dim`` is set).
+The row-wise scaled FP8 codecs ``fp8_e4m3`` and ``fp8_e5m2`` in fbgemm-gpu's
+row-wise FP8 format (``FloatToFP8RowwiseQuantized``, what TorchRec's FP8 comms
+send with ``fp8_quantize_dim``). Per row of ``row_dim`` elements with max-abs
+:math:`m`: the FP8 values of :math:`x_i s`, :math:`s = \text{max\_pos} / (m +
+10^{-20})` (clamped, rounded to nearest even), zero bytes up to a multiple of
+4, the float32 :math:`s`, 4 zero bytes; decoding divides by :math:`s`. A
+partial row is padded with zeros. A row holding NaN or :math:`\pm\infty` is
+sent with a NaN scale and decodes to NaN (fbgemm would saturate a NaN).
 
-fbgemm's element formats are its "HFP8" ones: 1-4-3 with exponent bias 15
-(largest value 0.9375) for its forward pass, 1-5-2 with bias 31 (largest
-0.875) for its backward pass. They are the OCP ``float8_e4m3fn`` /
+fbgemm's elements are its "HFP8" formats, the OCP ``float8_e4m3fn`` /
 ``float8_e5m2`` bit patterns scaled by :math:`2^{-8}` / :math:`2^{-16}`, so a
-vectorized torch cast produces exactly fbgemm's bytes.
-
-fbgemm has no CPU kernel for this format (only CUDA), so the torch code runs
-everywhere; on CPU qcomm's C kernels (``qcomm_builtin._kernels``) run instead
-when they were built, with the same bits (tested). The element rounding is
-tested bit for bit against fbgemm's CPU kernel of the same element format
-(``FloatToHFP8Quantized``); the row layout, the scale formula and the
-decoding follow fbgemm's CUDA sources. Two
-deliberate differences: the bytes between ``row_dim`` and the next multiple of
-4, which fbgemm's kernel leaves unwritten, are zero here; and for a
-``row_dim`` that is not a multiple of 4 ``decode`` returns ``row_dim`` values
-per row, where fbgemm's decoder also returns the padding.
+torch cast gives its bytes: tested bit for bit against fbgemm's CPU element
+kernel (``FloatToHFP8Quantized``); the layout and scale follow its CUDA
+sources, which alone have this format. Two deliberate differences: the
+padding bytes, unwritten by fbgemm, are zero; and for a ``row_dim`` not a
+multiple of 4, ``decode`` returns ``row_dim`` values per row, not the padding.
 """
 
 from __future__ import annotations
@@ -27,13 +23,8 @@ import math
 
 import torch
 
-from qcomm import CodecInfo
-from qcomm_builtin._blocks import (
-    BlockCodec,
-    check_block_size,
-    pad_to_blocks,
-)
-from qcomm_builtin._native import kernels
+from qcomm import BlockCodec, CodecInfo
+from qcomm_builtin._native import kernels, lines_of
 
 __all__ = ["DEFAULT_ROW_DIM", "FP8E4M3Codec", "FP8E5M2Codec"]
 
@@ -61,9 +52,9 @@ class _RowwiseFP8Codec(BlockCodec):
     _e5m2: bool  # the element format the C kernels are asked for
 
     def __init__(self, row_dim: int = DEFAULT_ROW_DIM) -> None:
-        self.block = check_block_size("row_dim", row_dim)
+        super().__init__(row_dim, option="row_dim")
         self._values_bytes = _aligned(self.block)
-        self.block_bytes = self._values_bytes + _META_BYTES
+        self.wire_per_block = self._values_bytes + _META_BYTES
         # Every element is off by at most half a step of the top binade
         # (0.5 <= |y| < 1 for both formats), relative to max_pos = the row's
         # max-abs; plus a few float32 roundings in scaling and unscaling.
@@ -72,8 +63,7 @@ class _RowwiseFP8Codec(BlockCodec):
         half_step = 2.0 ** (math.floor(math.log2(self._max_pos)) - self._mbits - 1)
         self.info = CodecInfo(
             name=self._name,
-            bits_per_element=8.0 * self.block_bytes / self.block,
-            summable=False,
+            bits_per_element=8.0 * self.wire_per_block / self.block,
             rel_error_bound=half_step / self._max_pos + 2.0**-20,
             abs_error_bound=2.0 * half_step * _EPSILON / self._max_pos,
             error_block=self.block,
@@ -82,20 +72,12 @@ class _RowwiseFP8Codec(BlockCodec):
 
     @property
     def row_dim(self) -> int:
-        r"""
-        row_dim() -> int
-
-        Elements per row (one scale each).
-        """
+        """Elements per row (one scale each)."""
         return self.block
 
     @property
     def quantized_dtype(self) -> torch.dtype:
-        r"""
-        quantized_dtype() -> torch.dtype
-
-        The wire dtype, ``torch.uint8`` (gloo carries no float8 dtype).
-        """
+        """The wire dtype, ``torch.uint8`` (gloo carries no float8 dtype)."""
         return torch.uint8
 
     def _encode_rows(self, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -117,21 +99,21 @@ class _RowwiseFP8Codec(BlockCodec):
             out[bad.view(-1), : self.block] = 0
         out[:, self._values_bytes : self._values_bytes + 4] = scale.view(torch.uint8)
 
-    def _encode_flat(self, flat: torch.Tensor) -> torch.Tensor:
+    def quantize(self, flat: torch.Tensor) -> torch.Tensor:
         k = kernels() if flat.device.type == "cpu" else None
         if k is not None:
             out = torch.empty(self.calc_quantized_size(flat.numel()), dtype=torch.uint8)
             k.fp8_encode(flat.data_ptr(), flat.numel(), out.data_ptr(), self.block, self._e5m2)
             return out
-        rows = pad_to_blocks(flat, self.block).view(-1, self.block)
+        rows = self.pad_blocks(flat).view(-1, self.block)
         # Zero-filled, so padding bytes and the reserved 4 bytes are 0.
-        out = torch.zeros(rows.shape[0], self.block_bytes, dtype=torch.uint8, device=rows.device)
+        out = torch.zeros(rows.shape[0], self.wire_per_block, dtype=torch.uint8, device=rows.device)
         if rows.shape[0] > 0:
             self._encode_rows(rows, out)
         return out.view(-1)
 
-    def _decode_flat(self, wire: torch.Tensor) -> torch.Tensor:
-        rows = wire.view(-1, self.block_bytes)
+    def dequantize(self, wire: torch.Tensor) -> torch.Tensor:
+        rows = wire.view(-1, self.wire_per_block)
         if rows.shape[0] == 0:
             return torch.zeros(0, device=rows.device)
         k = kernels() if rows.device.type == "cpu" else None
@@ -150,70 +132,34 @@ class _RowwiseFP8Codec(BlockCodec):
         values = rows[:, : self.block].view(self._fp8).to(torch.float32)
         return values.div_(scale.mul_(self._shift)).view(-1)
 
-    def _decode_lines(
-        self, wire: torch.Tensor, blocks: int, out: torch.Tensor, width: int, stride: int
-    ) -> bool:
-        k = kernels()
-        if k is None:
-            return False
-        k.fp8_decode(wire.data_ptr(), blocks, out.data_ptr(), self.block, self._e5m2, width, stride)
-        return True
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(row_dim={self.block})"
+    def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:
+        k = kernels() if wire.device.type == "cpu" else None
+        lines = lines_of(out, self.block) if k is not None else None
+        if k is None or lines is None:
+            super().dequantize_into(wire, out)
+            return
+        blocks = wire.numel() // self.wire_per_block
+        k.fp8_decode(wire.data_ptr(), blocks, out.data_ptr(), self.block, self._e5m2, *lines)
 
 
 class FP8E4M3Codec(_RowwiseFP8Codec):
     r"""
-    The ``fp8_e4m3`` codec: row-wise scaled FP8 with 4 exponent and 3 mantissa
-    bits (fbgemm's forward format: bias 15, largest value
-    :math:`\text{max\_pos} = 0.9375`); 10 bits per element at the default
-    ``row_dim``.
+    The ``fp8_e4m3`` codec: row-wise scaled FP8, 4 exponent and 3 mantissa bits
+    (fbgemm's forward format, :math:`\text{max\_pos} = 0.9375`); 10 bits per
+    element at the default ``row_dim``.
 
-    Error bound (``info``, a :class:`~qcomm.CodecInfo`), per row with max-abs
-    :math:`m`:
+    Error bound, per row with max-abs :math:`m`:
     :math:`|\hat{x} - x| \le (2^{-5}/0.9375 + 2^{-20})\, m + 6.7 \cdot 10^{-22}`
-    for :math:`|x| \le 2^{126}`: half a step of the top binade of the
-    scaled row, whose largest magnitude is 0.9375.
-
-    Wire (``uint8``), per row, fbgemm's row-wise FP8 layout: the ``row_dim``
-    FP8 values, zero bytes up to a multiple of 4, the float32 scale
-    :math:`s = \text{max\_pos} / (m + 10^{-20})` (:math:`m` the row's
-    max-abs), then 4 zero bytes. Element :math:`i` is
-    :math:`\mathrm{fp8}(\mathrm{clamp}(x_i s, \pm\text{max\_pos}))`, rounded to
-    nearest even with gradual underflow; decoding divides by :math:`s`.
-
-    Any length: a partial last row is padded with zeros (which leaves its
-    max-abs unchanged) and :meth:`decode` returns whole rows,
-    ``ceil(n / row_dim) * row_dim`` elements; the first ``n`` are the decoded
-    input. Each input row (the last dimension of an input of
-    two or more dimensions) that is not a multiple of ``row_dim`` is padded
-    that way, so that no quantization row straddles two input rows (see
-    :mod:`qcomm_builtin._blocks`). Sizes add up for lengths that are
-    multiples of ``row_dim``; :meth:`padded_size` pads pooled embeddings to
-    whole rows.
-
-    Non-finite input: **propagates row-wise**. A row holding NaN or
-    :math:`\pm\infty` is sent with a NaN scale and zero values and decodes to
-    all NaN; other rows are unaffected. (fbgemm's kernel would saturate a NaN
-    to the largest value, a finite number.)
+    for :math:`|x| \le 2^{126}`: half a step of the scaled row's top binade.
 
     Args:
-        row_dim (int, optional): elements per row, each with its own scale,
-            at most 65536. Default: ``32`` (fbgemm's ``QuantizationContext`` default).
-
-    Raises:
-        TypeError: if ``row_dim`` is not an int.
-        ValueError: if ``row_dim`` is not in ``[1, 65536]``.
+        row_dim (int, optional): elements per row, at most 65536.
+            Default: ``32`` (fbgemm's ``QuantizationContext`` default).
 
     Examples::
 
-        >>> import torch
         >>> codec = FP8E4M3Codec(row_dim=4)
-        >>> wire = codec.encode(torch.tensor([1.0, -0.5, 0.25, 0.0]))
-        >>> wire.numel(), codec.calc_quantized_size(4)
-        (12, 12)
-        >>> codec.decode(wire).tolist()
+        >>> codec.decode(codec.encode(torch.tensor([1.0, -0.5, 0.25, 0.0]))).tolist()
         [1.0, -0.5, 0.25, 0.0]
     """
 
@@ -227,50 +173,18 @@ class FP8E4M3Codec(_RowwiseFP8Codec):
 
 class FP8E5M2Codec(_RowwiseFP8Codec):
     r"""
-    The ``fp8_e5m2`` codec: row-wise scaled FP8 with 5 exponent and 2 mantissa
-    bits (fbgemm's backward format: bias 31, largest value
-    :math:`\text{max\_pos} = 0.875`); wider range, coarser steps than
-    ``fp8_e4m3``.
+    The ``fp8_e5m2`` codec: as :class:`FP8E4M3Codec` with 5 exponent and 2
+    mantissa bits (fbgemm's backward format, :math:`\text{max\_pos} = 0.875`).
 
-    Error bound (``info``, a :class:`~qcomm.CodecInfo`), per row with max-abs
-    :math:`m`:
+    Error bound, per row with max-abs :math:`m`:
     :math:`|\hat{x} - x| \le (2^{-4}/0.875 + 2^{-20})\, m + 1.5 \cdot 10^{-21}`
-    for :math:`|x| \le 2^{126}`: half a step of the top binade of the
-    scaled row, whose largest magnitude is 0.875.
-
-    Wire (``uint8``), per row, fbgemm's row-wise FP8 layout: the ``row_dim``
-    FP8 values, zero bytes up to a multiple of 4, the float32 scale
-    :math:`s = \text{max\_pos} / (m + 10^{-20})` (:math:`m` the row's
-    max-abs), then 4 zero bytes. Element :math:`i` is
-    :math:`\mathrm{fp8}(\mathrm{clamp}(x_i s, \pm\text{max\_pos}))`, rounded to
-    nearest even with gradual underflow; decoding divides by :math:`s`.
-
-    Any length: a partial last row is padded with zeros (which leaves its
-    max-abs unchanged) and :meth:`decode` returns whole rows,
-    ``ceil(n / row_dim) * row_dim`` elements; the first ``n`` are the decoded
-    input. Each input row (the last dimension of an input of
-    two or more dimensions) that is not a multiple of ``row_dim`` is padded
-    that way, so that no quantization row straddles two input rows (see
-    :mod:`qcomm_builtin._blocks`). Sizes add up for lengths that are
-    multiples of ``row_dim``; :meth:`padded_size` pads pooled embeddings to
-    whole rows.
-
-    Non-finite input: **propagates row-wise**. A row holding NaN or
-    :math:`\pm\infty` is sent with a NaN scale and zero values and decodes to
-    all NaN; other rows are unaffected. (fbgemm's kernel would saturate a NaN
-    to the largest value, a finite number.)
+    for :math:`|x| \le 2^{126}`.
 
     Args:
-        row_dim (int, optional): elements per row, each with its own scale,
-            at most 65536. Default: ``32`` (fbgemm's ``QuantizationContext`` default).
-
-    Raises:
-        TypeError: if ``row_dim`` is not an int.
-        ValueError: if ``row_dim`` is not in ``[1, 65536]``.
+        row_dim (int, optional): elements per row, at most 65536. Default: ``32``.
 
     Examples::
 
-        >>> import torch
         >>> codec = FP8E5M2Codec(row_dim=4)
         >>> codec.decode(codec.encode(torch.tensor([1.0, -0.5, 0.25, 0.0]))).tolist()
         [1.0, -0.5, 0.25, 0.0]

@@ -1,25 +1,18 @@
 r"""
-The 16-bit float codecs ``fp16`` and ``bf16``: a clamped cast, optionally
-with a loss scale. Their wire is summable (the backend may add wire tensors).
-
-The wire bytes equal fbgemm-gpu's ``QuantizedCommCodec`` of ``SparseType.FP16``
-/ ``SparseType.BF16`` (clamp to the format's finite range, then round to
-nearest even) for the same input and loss scale. The clamp runs on the
-16-bit result instead of on a float32 copy, which is what makes fbgemm's path
-slower than a plain cast.
+The 16-bit float codecs ``fp16`` and ``bf16``: a cast clamped to the format's
+finite range, optionally with a loss scale; summable. The bytes equal those of
+fbgemm-gpu's codec of ``SparseType.FP16`` / ``SparseType.BF16``.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
 
 import torch
 
-from qcomm import CodecInfo
-from qcomm_builtin._blocks import ElementwiseCodec, check_wire, flatten_input
-from qcomm_builtin._native import check_out, copy_into
+from qcomm import CodecInfo, ElementwiseCodec
+from qcomm.types import dtype_bits
 
 __all__ = ["BF16Codec", "FP16Codec"]
 
@@ -52,18 +45,6 @@ def _check_loss_scale(loss_scale: object) -> float | None:
     return value
 
 
-def _clamped_cast(
-    flat: torch.Tensor, dtype: torch.dtype, bound: float, scale: float | None
-) -> torch.Tensor:
-    # fbgemm computes (scale * x).clamp(-max, max).to(dtype). Casting first
-    # and clamping the 16-bit result gives the same bytes: what rounds past
-    # the largest finite value becomes +-inf, which the clamp turns back into
-    # it, like values clamped before the cast; NaN stays NaN either way. It
-    # saves a float32 temporary and two of fbgemm's three passes over it.
-    scaled = flat if scale is None else flat * scale
-    return scaled.to(dtype).clamp_(-bound, bound)
-
-
 class _HalfCodec(ElementwiseCodec):
     # Shared body of FP16Codec and BF16Codec; they differ only in the format.
     _name: str
@@ -87,104 +68,41 @@ class _HalfCodec(ElementwiseCodec):
             max_abs = min(self._max / scale, 2.0**127)
         self.info = CodecInfo(
             name=self._name,
-            bits_per_element=float(torch.finfo(self._dtype).bits),
+            bits_per_element=float(dtype_bits(self._dtype)),
             summable=True,
             rel_error_bound=rel,
             abs_error_bound=abs_,
-            error_block=1,
             max_abs_input=max_abs,
         )
 
     @property
     def loss_scale(self) -> float | None:
-        r"""
-        loss_scale() -> float | None
-
-        The factor applied before encoding and removed after decoding.
-        """
+        """The factor applied before encoding and removed after decoding."""
         return self._loss_scale
 
     @property
     def quantized_dtype(self) -> torch.dtype:
-        r"""
-        quantized_dtype() -> torch.dtype
-
-        The wire dtype.
-        """
+        """The wire dtype."""
         return self._dtype
 
-    def encode(self, input_tensor: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
-        r"""
-        encode(input_tensor: Tensor, ctx: Any | None = None) -> Tensor
+    def quantize(self, flat: torch.Tensor) -> torch.Tensor:
+        # fbgemm computes (scale * x).clamp(-max, max).to(dtype). Casting first
+        # and clamping the 16-bit result gives the same bytes: what rounds past
+        # the largest finite value becomes +-inf, which the clamp turns back into
+        # it, like values clamped before the cast; NaN stays NaN either way. It
+        # saves a float32 temporary and two of fbgemm's three passes over it.
+        scaled = flat if self._loss_scale is None else flat * self._loss_scale
+        return scaled.to(self._dtype).clamp_(-self._max, self._max)
 
-        Scales (if a loss scale is set), clamps to the format's finite range
-        and rounds to nearest even.
-
-        Args:
-            input_tensor (Tensor): floating-point values, any shape.
-            ctx (Any, optional): ignored. Default: ``None``.
-
-        Returns:
-            Tensor: wire tensor of :attr:`quantized_dtype` and the input's
-            shape (1-D in, 1-D out). Keeping the shape matters to TorchRec,
-            whose reduce-scatter reads the wire's second dimension.
-
-        Raises:
-            TypeError: if ``input_tensor`` is not a floating-point tensor.
-        """
-        flat = flatten_input(input_tensor, self._name)
-        return _clamped_cast(flat, self._dtype, self._max, self._loss_scale).view(
-            input_tensor.shape
-        )
-
-    def decode(self, input_grad: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
-        r"""
-        decode(input_grad: Tensor, ctx: Any | None = None) -> Tensor
-
-        Widens the wire to float32 and divides by the loss scale.
-
-        Args:
-            input_grad (Tensor): wire tensor of :attr:`quantized_dtype`.
-            ctx (Any, optional): ignored. Default: ``None``.
-
-        Returns:
-            Tensor: float32 tensor of the wire's shape (TorchRec's backward
-            all-gather expects the gradient's shape back).
-
-        Raises:
-            ValueError: if ``input_grad`` does not have :attr:`quantized_dtype`.
-        """
-        wire = check_wire(input_grad, self._dtype, 1, self._name)
+    def dequantize(self, wire: torch.Tensor) -> torch.Tensor:
         out = wire.float()
-        if self._loss_scale is not None:
-            out.div_(self._loss_scale)
-        return out.view(input_grad.shape)
+        return out if self._loss_scale is None else out.div_(self._loss_scale)
 
-    def decode_into(
-        self, input_grad: torch.Tensor, out: torch.Tensor, ctx: Any | None = None
-    ) -> None:
-        r"""
-        decode_into(input_grad: Tensor, out: Tensor, ctx: Any | None = None) -> None
-
-        Writes what :meth:`decode` returns into ``out``, in row-major order: a
-        widening copy straight into ``out``, then the division by the loss
-        scale in place, in float32 as :meth:`decode` does it.
-
-        Args:
-            input_grad (Tensor): wire tensor of :attr:`quantized_dtype`.
-            out (Tensor): float32, as many elements as ``input_grad``, any
-                shape and strides.
-            ctx (Any, optional): ignored. Default: ``None``.
-
-        Raises:
-            ValueError: if ``input_grad`` does not have :attr:`quantized_dtype`,
-                or ``out`` is not a float32 tensor of that many elements.
-        """
-        wire = check_wire(input_grad, self._dtype, 1, self._name)
-        check_out(out, wire.numel(), self._name)
+    def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:
+        # Widen straight into `out`, then divide in place, in float32 as
+        # dequantize does; across devices, dequantize's result is copied.
         if out.device != wire.device:
-            # decode's division runs on the wire's device; keep its result.
-            copy_into(out, self.decode(wire, ctx))
+            super().dequantize_into(wire, out)
             return
         out.copy_(wire.view(out.shape))
         if self._loss_scale is not None:
@@ -196,44 +114,24 @@ class _HalfCodec(ElementwiseCodec):
 
 class FP16Codec(_HalfCodec):
     r"""
-    The ``fp16`` codec: float32 travels as IEEE float16, clamped to its range.
+    The ``fp16`` codec: float32 travels as IEEE float16.
 
-    Wire: one ``torch.float16`` per input element, equal byte for byte to
-    fbgemm-gpu's ``SparseType.FP16`` codec. Summable.
-
-    Error bound (``info``, a :class:`~qcomm.CodecInfo`):
-    :math:`|\hat{x} - x| \le 2^{-11}|x| + 2^{-25}`
-    for :math:`|x| \le 65504` (round to nearest even; the absolute part covers
-    float16's subnormals). With a loss scale :math:`s`, both parts are
-    widened for the float32 scaling: :math:`(2^{-11} + 2^{-21})|x| + 2^{-24}/s`
-    for :math:`|x| \le \min(65504 / s, 2^{127})`.
-
-    Non-finite input: NaN stays NaN. Finite values beyond the range and
-    :math:`\pm\infty` **saturate** to :math:`\pm 65504` (as in fbgemm), so an
-    overflow is not visible after decoding.
+    Error bound: :math:`|\hat{x} - x| \le 2^{-11}|x| + 2^{-25}` for
+    :math:`|x| \le 65504`; with a loss scale :math:`s`,
+    :math:`(2^{-11} + 2^{-21})|x| + 2^{-24}/s` for
+    :math:`|x| \le \min(65504 / s, 2^{127})`. NaN stays NaN; larger values and
+    :math:`\pm\infty` **saturate** to :math:`\pm 65504`, as in fbgemm.
 
     Args:
-        loss_scale (float, optional): multiply by this before encoding and
-            divide after decoding, to move small values (gradients) out of
-            float16's subnormal range. Must be a normal float32 value
-            (:math:`2^{-126}` to :math:`3.4 \cdot 10^{38}`).
-            Default: ``None`` (no scaling).
-
-    Raises:
-        TypeError: if ``loss_scale`` is not a real number.
-        ValueError: if ``loss_scale`` is not a positive normal float32 value.
+        loss_scale (float, optional): multiply by this before encoding and divide
+            after decoding (to lift small gradients out of the subnormals); a
+            normal float32 value. Default: ``None``.
 
     Examples::
 
-        >>> import torch
         >>> codec = FP16Codec()
-        >>> wire = codec.encode(torch.tensor([1.0, -2.5, 1e6, float("nan")]))
-        >>> wire.dtype
-        torch.float16
-        >>> codec.decode(wire).tolist()
+        >>> codec.decode(codec.encode(torch.tensor([1.0, -2.5, 1e6, float("nan")]))).tolist()
         [1.0, -2.5, 65504.0, nan]
-        >>> FP16Codec(loss_scale=1024.0).decode(FP16Codec(loss_scale=1024.0).encode(torch.tensor([1e-6]))).item() != 0
-        True
     """
 
     _name = "fp16"
@@ -244,43 +142,22 @@ class FP16Codec(_HalfCodec):
 
 class BF16Codec(_HalfCodec):
     r"""
-    The ``bf16`` codec: float32 travels as bfloat16, clamped to its range.
+    The ``bf16`` codec: float32 travels as bfloat16.
 
-    Wire: one ``torch.bfloat16`` per input element, equal byte for byte to
-    fbgemm-gpu's ``SparseType.BF16`` codec. Summable.
-
-    Error bound (``info``, a :class:`~qcomm.CodecInfo`):
-    :math:`|\hat{x} - x| \le 2^{-8}|x| + 2^{-134}`
-    for :math:`|x| \le 3.3895 \cdot 10^{38}` (bfloat16's largest finite
-    value). With a loss scale :math:`s`:
+    Error bound: :math:`|\hat{x} - x| \le 2^{-8}|x| + 2^{-134}` for
+    :math:`|x| \le 3.3895 \cdot 10^{38}`; with a loss scale :math:`s`,
     :math:`(2^{-8} + 2^{-21})|x| + 2^{-133}/s` for
-    :math:`|x| \le \min(\max / s, 2^{127})`.
-
-    Non-finite input: NaN stays NaN. :math:`\pm\infty`, and the few finite
-    float32 values above bfloat16's largest, **saturate** to
-    :math:`\pm 3.3895 \cdot 10^{38}` (as in fbgemm).
+    :math:`|x| \le \min(\max / s, 2^{127})`. NaN stays NaN; :math:`\pm\infty`
+    **saturates**, as in fbgemm.
 
     Args:
-        loss_scale (float, optional): multiply by this before encoding and
-            divide after decoding. Must be a normal float32 value
-            (:math:`2^{-126}` to :math:`3.4 \cdot 10^{38}`).
-            Default: ``None`` (no scaling).
-
-    Raises:
-        TypeError: if ``loss_scale`` is not a real number.
-        ValueError: if ``loss_scale`` is not a positive normal float32 value.
+        loss_scale (float, optional): as for :class:`FP16Codec`. Default: ``None``.
 
     Examples::
 
-        >>> import torch
         >>> codec = BF16Codec()
-        >>> wire = codec.encode(torch.tensor([1.0, 3.0, 257.0]))
-        >>> wire.dtype
-        torch.bfloat16
-        >>> codec.decode(wire).tolist()
+        >>> codec.decode(codec.encode(torch.tensor([1.0, 3.0, 257.0]))).tolist()
         [1.0, 3.0, 256.0]
-        >>> codec.calc_quantized_size(10)
-        10
     """
 
     _name = "bf16"

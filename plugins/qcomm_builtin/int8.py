@@ -1,10 +1,7 @@
 r"""
 The ``int8`` codec: row-wise min/max 8-bit quantization in fbgemm's fused
-format (``FloatToFused8BitRowwiseQuantized``), scale and bias in-band.
-
-On CPU it runs qcomm's C kernels (``qcomm_builtin._kernels``) when they were
-built, else fbgemm-gpu's kernel when present, else a torch implementation;
-all three give the same bytes and values (tested bit for bit).
+format (``FloatToFused8BitRowwiseQuantized``). On CPU it runs qcomm's C
+kernels, else fbgemm's, else torch code: the same bytes and values (tested).
 """
 
 from __future__ import annotations
@@ -15,14 +12,9 @@ from typing import Any
 
 import torch
 
-from qcomm import CodecInfo
-from qcomm_builtin._blocks import (
-    BlockCodec,
-    check_block_size,
-    pad_to_blocks,
-)
+from qcomm import BlockCodec, CodecInfo
 from qcomm_builtin._fbgemm import fbgemm_ops
-from qcomm_builtin._native import kernels
+from qcomm_builtin._native import kernels, lines_of
 
 __all__ = ["DEFAULT_ROW_DIM", "Int8Codec"]
 
@@ -109,73 +101,41 @@ def _decode_kernels() -> Any | None:
 
 class Int8Codec(BlockCodec):
     r"""
-    The ``int8`` codec: every row of ``row_dim`` consecutive elements is
-    quantized to ``uint8`` between its own minimum and maximum.
+    The ``int8`` codec: every row of ``row_dim`` elements is quantized to
+    ``uint8`` between its own minimum and maximum.
 
-    Wire (``uint8``), per row, exactly fbgemm's fused 8-bit row-wise format as
-    its CPU kernel writes it: ``row_dim`` bytes
-    :math:`q_i = \mathrm{round}((x_i - \min) \cdot 255 / (\max - \min + 10^{-8}))`
-    (round half to even), then the float32 scale :math:`(\max - \min)/255` and
-    the float32 bias :math:`\min`, little-endian: ``row_dim + 8`` bytes per row,
-    so :math:`8 + 64/\text{row\_dim}` bits per element. Decoding computes
-    :math:`q_i \cdot \text{scale} + \text{bias}` with one fused multiply-add,
-    as fbgemm does. fbgemm's CUDA kernel pads the values of a row to a
-    multiple of 4 bytes; for ``row_dim`` a multiple of 4 (such as the
-    default) both layouts are the same.
+    Wire, per row, fbgemm's fused 8-bit row-wise format as its CPU kernel writes
+    it: the codes :math:`\mathrm{round}((x_i - \min) \cdot 255 / (\max - \min +
+    10^{-8}))` (half to even), then the float32 scale :math:`(\max - \min)/255`
+    and bias :math:`\min`; decoding is one fused multiply-add, as in fbgemm. A
+    partial row is padded with its last element.
 
-    Any length: a partial last row is padded by repeating its last element
-    (so it keeps its real minimum and maximum) and :meth:`decode` returns
-    whole rows, ``ceil(n / row_dim) * row_dim`` elements; the first ``n`` are
-    the decoded input. Each input row (the last dimension of an input of
-    two or more dimensions) that is not a multiple of ``row_dim`` is padded
-    that way, so that no quantization row straddles two input rows (see
-    :mod:`qcomm_builtin._blocks`). Sizes add up for lengths that are
-    multiples of ``row_dim``; :meth:`padded_size` pads pooled embeddings to
-    whole rows.
-
-    Error bound (``info``, a :class:`~qcomm.CodecInfo`), per row with largest
-    magnitude :math:`m`:
+    Error bound, per row with largest magnitude :math:`m`:
     :math:`|\hat{x} - x| \le (1/255 + 2^{-20})\, m + 1.01 \cdot 10^{-8}` for
-    :math:`|x| \le 2^{126}`: half a step of :math:`(\max - \min)/255 \le 2m/255`,
-    float32 rounding, and fbgemm's :math:`10^{-8}` in the divisor.
-
-    Non-finite input: **propagates row-wise**. A row holding NaN or
-    :math:`\pm\infty` (or whose :math:`\max - \min` overflows float32, which
-    needs :math:`|x| > 1.7 \cdot 10^{38}`) is sent with NaN scale and bias and
-    decodes to all NaN; the other rows are unaffected. (fbgemm alone would
-    encode a NaN as the row's minimum.)
+    :math:`|x| \le 2^{126}`: half a step, float32 rounding, and fbgemm's
+    :math:`10^{-8}`. A row holding NaN or :math:`\pm\infty` (or whose range
+    overflows float32) decodes to all NaN; fbgemm alone would send its minimum.
 
     Args:
-        row_dim (int, optional): elements per row, each row with its own
-            scale and bias, at most 65536. Default: ``32`` (fbgemm's and TorchRec's default).
-
-    Raises:
-        TypeError: if ``row_dim`` is not an int.
-        ValueError: if ``row_dim`` is not in ``[1, 65536]``.
+        row_dim (int, optional): elements per row, at most 65536.
+            Default: ``32`` (fbgemm's and TorchRec's).
 
     Examples::
 
-        >>> import torch
         >>> codec = Int8Codec(row_dim=4)
-        >>> x = torch.tensor([0.0, 1.0, 2.0, 3.0, -1.0, 1.0])
-        >>> wire = codec.encode(x)
-        >>> wire.dtype, wire.numel(), codec.calc_quantized_size(6)
-        (torch.uint8, 24, 24)
-        >>> wire[:4].tolist()
-        [0, 85, 170, 255]
-        >>> [round(v, 4) for v in codec.decode(wire).tolist()]
-        [0.0, 1.0, 2.0, 3.0, -1.0, 1.0, 1.0, 1.0]
+        >>> wire = codec.encode(torch.tensor([0.0, 1.0, 2.0, 3.0, -1.0, 1.0]))
+        >>> wire.numel(), wire[:4].tolist()
+        (24, [0, 85, 170, 255])
     """
 
-    _edge_pad = True  # a padded row keeps its real minimum and maximum
+    edge_pad = True  # a padded row keeps its real minimum and maximum
 
     def __init__(self, row_dim: int = DEFAULT_ROW_DIM) -> None:
-        self.block = check_block_size("row_dim", row_dim)
-        self.block_bytes = self.block + _META_BYTES
+        super().__init__(row_dim, option="row_dim")
+        self.wire_per_block = self.block + _META_BYTES
         self.info = CodecInfo(
             name="int8",
-            bits_per_element=8.0 * self.block_bytes / self.block,
-            summable=False,
+            bits_per_element=8.0 * self.wire_per_block / self.block,
             rel_error_bound=1.0 / 255.0 + 2.0**-20,
             abs_error_bound=1.01 * _EPSILON,
             error_block=self.block,
@@ -184,40 +144,32 @@ class Int8Codec(BlockCodec):
 
     @property
     def row_dim(self) -> int:
-        r"""
-        row_dim() -> int
-
-        Elements per row (one scale and bias each).
-        """
+        """Elements per row (one scale and bias each)."""
         return self.block
 
     @property
     def quantized_dtype(self) -> torch.dtype:
-        r"""
-        quantized_dtype() -> torch.dtype
-
-        The wire dtype, ``torch.uint8``.
-        """
+        """The wire dtype, ``torch.uint8``."""
         return torch.uint8
 
-    def _encode_flat(self, flat: torch.Tensor) -> torch.Tensor:
+    def quantize(self, flat: torch.Tensor) -> torch.Tensor:
         k = kernels() if flat.device.type == "cpu" else None
         if k is not None:
             out = torch.empty(self.calc_quantized_size(flat.numel()), dtype=torch.uint8)
             k.int8_encode(flat.data_ptr(), flat.numel(), out.data_ptr(), self.block)
             return out
-        rows = pad_to_blocks(flat, self.block, edge=True).view(-1, self.block)
+        rows = self.pad_blocks(flat).view(-1, self.block)
         if rows.shape[0] == 0:
             return torch.zeros(0, dtype=torch.uint8, device=rows.device)
         ops = fbgemm_ops() if rows.device.type == "cpu" else None
         if ops is not None:
             return _quantize_rows_fbgemm(ops, rows).view(-1)
-        out = torch.empty(rows.shape[0], self.block_bytes, dtype=torch.uint8, device=rows.device)
+        out = torch.empty(rows.shape[0], self.wire_per_block, dtype=torch.uint8, device=rows.device)
         _quantize_rows(rows, out)
         return out.view(-1)
 
-    def _decode_flat(self, wire: torch.Tensor) -> torch.Tensor:
-        rows = wire.view(-1, self.block_bytes)
+    def dequantize(self, wire: torch.Tensor) -> torch.Tensor:
+        rows = wire.view(-1, self.wire_per_block)
         d = self.block
         if rows.shape[0] == 0:
             return torch.zeros(0, device=rows.device)
@@ -232,16 +184,11 @@ class Int8Codec(BlockCodec):
             return ops.Fused8BitRowwiseQuantizedToFloat(rows).view(-1)
         return _dequantize_rows(rows, d)
 
-    def _decode_lines(
-        self, wire: torch.Tensor, blocks: int, out: torch.Tensor, width: int, stride: int
-    ) -> bool:
-        k = _decode_kernels()
-        if k is None:
-            return False
-        k.int8_decode(
-            wire.data_ptr(), blocks, out.data_ptr(), self.block, width, stride, _rounds_once()
-        )
-        return True
-
-    def __repr__(self) -> str:
-        return f"Int8Codec(row_dim={self.block})"
+    def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:
+        k = _decode_kernels() if wire.device.type == "cpu" else None
+        lines = lines_of(out, self.block) if k is not None else None
+        if k is None or lines is None:
+            super().dequantize_into(wire, out)
+            return
+        blocks = wire.numel() // self.wire_per_block
+        k.int8_decode(wire.data_ptr(), blocks, out.data_ptr(), self.block, *lines, _rounds_once())

@@ -1,13 +1,9 @@
 r"""
 The ``mx4`` codec: OCP MXFP4 in fbgemm-gpu's layout (``fp32_to_mx4``), E2M1
-elements two per byte and one shared E8M0 exponent per group.
-
-The wire bytes are those of fbgemm's CPU reference ``py_quantize_mx4`` for
-finite input (tested bit for bit; see :class:`MX4Codec` for the one
-exception), but computed by a vectorized torch implementation that is much
-faster, on any device; fbgemm is not needed. On CPU, qcomm's C kernels
-(``qcomm_builtin._kernels``) run instead when they were built, except for
-``stochastic`` encoding; they give the same bits (tested).
+elements two per byte and one E8M0 exponent per group. The bytes are those
+of fbgemm's CPU reference ``py_quantize_mx4`` for finite input (tested bit
+for bit), computed by vectorized torch code on any device, or on CPU by
+qcomm's C kernels (but for ``stochastic``) with the same bits.
 """
 
 from __future__ import annotations
@@ -21,13 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from qcomm import CodecInfo
-from qcomm_builtin._blocks import (
-    BlockCodec,
-    check_block_size,
-    pad_to_blocks,
-)
-from qcomm_builtin._native import kernels
+from qcomm import BlockCodec, CodecInfo
+from qcomm_builtin._native import kernels, lines_of
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
@@ -143,29 +134,14 @@ def shared_exponents(group_max: torch.Tensor, rounding: str) -> torch.Tensor:
     r"""
     shared_exponents(group_max: Tensor, rounding: str) -> Tensor
 
-    The shared exponent :math:`E` of every group (scale :math:`2^E`), computed
-    from the groups' largest magnitudes with the same float32 operations, in
-    the same order, as fbgemm's CPU reference.
-
-    With :math:`M` the group maximum (at least :math:`2^{-126}`)
-    and :math:`\ell = \log_2 M` in float32, the exponent before clamping is
-    :math:`\lfloor \ell + 1/2 \rfloor - 2` (``nearest``),
-    :math:`\lfloor \ell \rfloor - 2` (``floor``), :math:`\lceil \ell \rceil - 2`
-    (``ceil``), :math:`\lfloor \log_2 M' \rfloor - 2` where :math:`M'` is
-    :math:`M` with :math:`2^{21} - 1` added to its bits, i.e. rounded to two
-    significant bits (``even``), or with a random number below :math:`2^{22}`
-    added to its bits (``stochastic``, one draw per group from torch's global
-    generator, as fbgemm does); a rounded-up maximum that would carry past the
-    largest float32 stops at infinity (fbgemm's carries into NaN bits). It is
-    then clamped to :math:`[-127, 125]`.
-
-    Args:
-        group_max (Tensor): 1-D float32, the largest magnitude of every group
-            (finite; non-finite groups are handled by the caller).
-        rounding (str): one of ``ROUNDING_MODES``.
-
-    Returns:
-        Tensor: float32, integer-valued, in ``[-127, 125]``.
+    The shared exponent :math:`E` of every group, from its largest magnitude
+    :math:`M` (finite), with fbgemm's float32 operations in fbgemm's order:
+    with :math:`\ell = \log_2 \max(M, 2^{-126})`, :math:`\lfloor \ell + 1/2
+    \rfloor - 2` (``nearest``), :math:`\lfloor \ell \rfloor - 2` (``floor``),
+    :math:`\lceil \ell \rceil - 2` (``ceil``), or :math:`\lfloor \log_2 M'
+    \rfloor - 2` where :math:`M'` adds :math:`2^{21} - 1` (``even``) or a random
+    number below :math:`2^{22}` (``stochastic``) to :math:`M`'s bits, stopping
+    at infinity; then clamped to :math:`[-127, 125]`.
 
     Examples::
 
@@ -252,19 +228,10 @@ def encode_mx4(flat: torch.Tensor, group_size: int, rounding: str) -> torch.Tens
     r"""
     encode_mx4(flat: Tensor, group_size: int, rounding: str) -> Tensor
 
-    Encodes whole groups into the MX4 wire: per group, ``group_size // 2``
-    bytes of E2M1 codes (element :math:`2i` in the low nibble of byte
-    :math:`i`, element :math:`2i+1` in the high one) and then the E8M0
-    exponent byte :math:`E + 127`. A group holding NaN or :math:`\pm\infty`
-    gets zero codes and exponent byte 255 (NaN).
-
-    Args:
-        flat (Tensor): 1-D contiguous float32, a multiple of ``group_size`` long.
-        group_size (int): elements per group, even.
-        rounding (str): one of ``ROUNDING_MODES``.
-
-    Returns:
-        Tensor: 1-D ``uint8``, ``group_size // 2 + 1`` bytes per group.
+    The MX4 wire of whole groups of ``flat`` (contiguous float32): per group,
+    ``group_size // 2`` bytes of E2M1 codes (element :math:`2i` in the low
+    nibble of byte :math:`i`), then the exponent byte :math:`E + 127`, or 255
+    (NaN) with zero codes for a group holding NaN or :math:`\pm\infty`.
 
     Examples::
 
@@ -317,16 +284,8 @@ def decode_mx4(wire: torch.Tensor, group_size: int) -> torch.Tensor:
     r"""
     decode_mx4(wire: Tensor, group_size: int) -> Tensor
 
-    Decodes an MX4 wire of whole groups: element value times :math:`2^{e-127}`
-    for exponent byte :math:`e`; byte 255 decodes the whole group to NaN.
-
-    Args:
-        wire (Tensor): 1-D contiguous ``uint8``, a multiple of
-            ``group_size // 2 + 1`` long.
-        group_size (int): elements per group, even.
-
-    Returns:
-        Tensor: 1-D float32, ``group_size`` elements per group.
+    The float32 values of an MX4 wire of whole groups: each element times
+    :math:`2^{e-127}`; exponent byte 255 decodes its group to NaN.
 
     Examples::
 
@@ -388,94 +347,45 @@ def _error_bound(rounding: str) -> tuple[float, float]:
 
 class MX4Codec(BlockCodec):
     r"""
-    The ``mx4`` codec (OCP MXFP4): every group of ``group_size`` consecutive
-    elements shares one power-of-two scale, and each element travels as a
-    4-bit E2M1 float (values :math:`0, \pm 0.5, \pm 1, \pm 1.5, \pm 2, \pm 3,
-    \pm 4, \pm 6`).
+    The ``mx4`` codec (OCP MXFP4): every group of ``group_size`` elements shares
+    a scale :math:`2^E`, and each element travels as a 4-bit E2M1 float
+    (:math:`0, \pm 0.5, \pm 1, \pm 1.5, \pm 2, \pm 3, \pm 4, \pm 6`), :math:`x /
+    2^E` rounded to nearest (ties away from zero), saturating at 6: :math:`4 +
+    8/\text{group\_size}` bits per element. :math:`E` follows from the group's
+    largest magnitude by ``rounding`` (:func:`shared_exponents`). A partial group
+    is padded with zeros, as fbgemm pads.
 
-    Wire (``uint8``), per group, exactly fbgemm-gpu's MX4 layout
-    (``fp32_to_mx4``): ``group_size / 2`` bytes of E2M1 codes, element
-    :math:`2i` in the low nibble of byte :math:`i` and element :math:`2i+1` in
-    the high nibble, then one E8M0 byte :math:`E + 127` for the group's scale
-    :math:`2^E`. So :math:`4 + 8/\text{group\_size}` bits per element. Each
-    element is :math:`x / 2^E` rounded to the nearest E2M1 value, ties away
-    from zero, saturating at 6; :math:`E` follows from the group's largest
-    magnitude by the ``rounding`` mode (see :func:`shared_exponents`) and is
-    clamped to :math:`[-127, 125]`. The bytes equal those of fbgemm's CPU
-    reference for finite input (tested bit for bit), for each rounding mode;
-    ``stochastic`` draws from torch's global generator the same way, so with
-    the same seed it gives fbgemm's bytes too. One exception: with ``even``
-    (``stochastic``), a group whose maximum exceeds about
-    :math:`2.98 \cdot 10^{38}` (:math:`2.55 \cdot 10^{38}`) makes fbgemm's
-    pre-rounding carry into NaN bits and it writes the group as zeros; here
-    it gets the largest exponent and saturates. fbgemm's triton kernel (CUDA)
-    takes ``floor``, ``even`` and ``stochastic`` exponents from the float's
-    bits instead of float32 ``log2``: where ``log2`` of the (pre-rounded)
-    maximum rounds up to a whole number, a few ulps below a power of two, its
-    exponent is one lower than here and than fbgemm's CPU reference. This
-    codec runs its own torch code on every device; on CUDA, ``log2`` may
-    differ from the CPU's in the last ulp and so move those rare exponents.
+    The bytes equal fbgemm's CPU reference in every rounding mode (``stochastic``
+    with the same seed), except where a group's maximum exceeds about
+    :math:`2.98 \cdot 10^{38}` (``even``; ``stochastic``: :math:`2.55 \cdot
+    10^{38}`): it saturates here, fbgemm writes zeros. fbgemm's CUDA kernel
+    takes some exponents from the float's bits rather than ``log2``, so a few
+    ulps below a power of two it may pick one lower.
 
-    Rounding modes (``rounding``; fbgemm's ``RoundingMode`` names, or their
-    int values 0-4): ``even`` (default, as in fbgemm's codec) rounds the group
-    maximum to two significant bits first, ``nearest`` rounds :math:`\log_2`
-    of it, ``floor`` and ``ceil`` truncate it, ``stochastic`` adds random
-    noise below the second significant bit and truncates (then
-    ``info`` declares ``stochastic``). Element rounding is always to
-    nearest; fbgemm's separate ``stochastic_casting`` of elements, which its
-    comm codec does not use, is not offered.
-
-    Any length: the input is read flattened (row-major) and a partial last
-    group is padded with zeros, as fbgemm pads; :meth:`decode` returns whole
-    groups, ``ceil(n / group_size) * group_size`` elements, of which the first
-    ``n`` are the decoded input. An input of two or more dimensions whose last
-    dimension is not whole groups has every row padded instead, as fbgemm
-    does (wire and decoded layout equal fbgemm's; with the context of the
-    encode, :meth:`decode` drops the padding: see :mod:`qcomm_builtin._blocks`).
-    Sizes add up for lengths that are multiples of ``group_size``.
-
-    Error bound (``info``), per group with largest magnitude :math:`M`:
-    :math:`|\hat{x} - x| \le r M + 2^{-129}` with :math:`r = 0.2` for
-    ``even``, ``nearest`` and ``ceil`` (for :math:`|x| \le 2^{127}`; above,
-    elements may saturate) and :math:`r = 0.25` for ``floor`` and
-    ``stochastic``. The :math:`2^{-129}` covers groups whose exponent is
-    clamped at :math:`-127` (:math:`M < 2^{-124}`): there magnitudes below
-    :math:`2^{-129}` become zero.
-
-    Non-finite input: **propagates group-wise**. A group holding NaN or
-    :math:`\pm\infty` is sent with zero codes and exponent byte 255 (E8M0's
-    NaN) and decodes to all NaN (an infinity too becomes NaN); other groups
-    are unaffected. Only these groups' bytes differ from fbgemm's, which
-    silently encodes such a group as zeros.
+    Error bound, per group with largest magnitude :math:`M`:
+    :math:`|\hat{x} - x| \le r M + 2^{-129}`, :math:`r = 0.2` for ``even``,
+    ``nearest`` and ``ceil`` (for :math:`|x| \le 2^{127}`), :math:`0.25` for
+    ``floor`` and ``stochastic``. A group holding NaN or :math:`\pm\infty` is
+    sent with exponent byte 255 and decodes to NaN; fbgemm would send zeros.
 
     Args:
-        group_size (int, optional): elements per shared exponent; an even
-            number from 2 to 65536. Default: ``32`` (fbgemm's and TorchRec's
-            default).
-        rounding (str, optional): how the shared exponent is rounded, one of
-            ``"even"``, ``"nearest"``, ``"floor"``, ``"ceil"``,
-            ``"stochastic"``. Default: ``"even"``.
-
-    Raises:
-        TypeError: if ``group_size`` is not an int.
-        ValueError: if ``group_size`` is not an even number in ``[2, 65536]``, or
-            ``rounding`` is not a known mode.
+        group_size (int, optional): elements per exponent, even, 2 to 65536.
+            Default: ``32`` (fbgemm's and TorchRec's).
+        rounding (str, optional): ``"even"`` (fbgemm's codec: the maximum rounded
+            to two significant bits first), ``"nearest"``, ``"floor"``,
+            ``"ceil"`` or ``"stochastic"`` (then ``info`` declares it), or
+            fbgemm's ``RoundingMode`` values 0-4. Default: ``"even"``.
 
     Examples::
 
-        >>> import torch
         >>> codec = MX4Codec(group_size=4)
-        >>> x = torch.tensor([1.0, -0.5, 6.0, 0.0, 2.5, 0.1])
-        >>> wire = codec.encode(x)
-        >>> wire.dtype, wire.numel(), codec.calc_quantized_size(6)
-        (torch.uint8, 6, 6)
-        >>> codec.decode(wire).tolist()
+        >>> codec.decode(codec.encode(torch.tensor([1.0, -0.5, 6.0, 0.0, 2.5, 0.1]))).tolist()
         [1.0, -0.5, 6.0, 0.0, 3.0, 0.0, 0.0, 0.0]
     """
 
     def __init__(self, group_size: int = DEFAULT_GROUP_SIZE, rounding: str = "even") -> None:
-        self.block = check_block_size("group_size", group_size)
-        self.block_bytes = self.block // 2 + 1
+        super().__init__(group_size, option="group_size")
+        self.wire_per_block = self.block // 2 + 1
         if self.block % 2:
             raise ValueError(
                 f"group_size must be a positive even number (two elements per byte), got {group_size}"
@@ -485,7 +395,6 @@ class MX4Codec(BlockCodec):
         self.info = CodecInfo(
             name="mx4",
             bits_per_element=4.0 + 8.0 / self.block,
-            summable=False,
             stochastic=self._rounding == "stochastic",
             rel_error_bound=rel,
             abs_error_bound=2.0**-129,
@@ -495,32 +404,20 @@ class MX4Codec(BlockCodec):
 
     @property
     def group_size(self) -> int:
-        r"""
-        group_size() -> int
-
-        Elements per shared exponent.
-        """
+        """Elements per shared exponent."""
         return self.block
 
     @property
     def rounding(self) -> str:
-        r"""
-        rounding() -> str
-
-        The rounding mode of the shared exponent.
-        """
+        """The rounding mode of the shared exponent."""
         return self._rounding
 
     @property
     def quantized_dtype(self) -> torch.dtype:
-        r"""
-        quantized_dtype() -> torch.dtype
-
-        The wire dtype, ``torch.uint8``.
-        """
+        """The wire dtype, ``torch.uint8``."""
         return torch.uint8
 
-    def _encode_flat(self, flat: torch.Tensor) -> torch.Tensor:
+    def quantize(self, flat: torch.Tensor) -> torch.Tensor:
         k = kernels() if flat.device.type == "cpu" and self._rounding != "stochastic" else None
         table = _exponent_table(self._rounding) if k is not None else None
         if k is not None and table is not None:
@@ -535,13 +432,12 @@ class MX4Codec(BlockCodec):
                 table.data_ptr(),
             )
             return out
-        flat = pad_to_blocks(flat, self.block)
-        return encode_mx4(flat.contiguous(), self.block, self._rounding)
+        return encode_mx4(self.pad_blocks(flat).contiguous(), self.block, self._rounding)
 
-    def _decode_flat(self, wire: torch.Tensor) -> torch.Tensor:
+    def dequantize(self, wire: torch.Tensor) -> torch.Tensor:
         k = kernels() if wire.device.type == "cpu" else None
         if k is not None:
-            groups = wire.numel() // self.block_bytes
+            groups = wire.numel() // self.wire_per_block
             n = groups * self.block
             out = _empty((n,), torch.float32, wire.device)
             if n:
@@ -549,14 +445,14 @@ class MX4Codec(BlockCodec):
             return out
         return decode_mx4(wire, self.block)
 
-    def _decode_lines(
-        self, wire: torch.Tensor, blocks: int, out: torch.Tensor, width: int, stride: int
-    ) -> bool:
-        k = kernels()
-        if k is None:
-            return False
-        k.mx4_decode(wire.data_ptr(), blocks, out.data_ptr(), self.block, width, stride)
-        return True
+    def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:
+        k = kernels() if wire.device.type == "cpu" else None
+        lines = lines_of(out, self.block) if k is not None else None
+        if k is None or lines is None:
+            super().dequantize_into(wire, out)
+            return
+        groups = wire.numel() // self.wire_per_block
+        k.mx4_decode(wire.data_ptr(), groups, out.data_ptr(), self.block, *lines)
 
     def __repr__(self) -> str:
         return f"MX4Codec(group_size={self.block}, rounding={self._rounding!r})"

@@ -1,19 +1,7 @@
 r"""
-The answer ``qcomm bench`` gives: which codec to use on a link of a given
-rate, what it gains and what it costs in accuracy.
-
-Everything follows from the figures of one run (the JSON's content): for each
-collective at the run's largest size, every qcomm codec's time without a link
-limit and the bytes it puts on each rank's port
-(:func:`~qcomm.benchmark.metrics.predicted_time` turns the two into a time at
-any rate), and each codec's error from the codec table. A run under a
-launcher measured the cluster's own link: its times are the answer as they
-are, whatever rate is asked about.
-
-The forward codec is the one the model expects fastest at the rate. The
-backward codec is a 16-bit cast, the faster of ``bf16`` and ``fp16`` (the
-gradients' errors add up from step to step; see the training example for
-what a coarser one costs). The reduce-scatter takes only codecs whose wire
+The answer of ``qcomm bench``: which codec pair to use on a link of a given
+rate, from the figures of one run (the JSON's content), by the rules of
+:doc:`/bench` ("The answer"). The reduce-scatter takes only codecs whose wire
 may be summed, because TorchRec sums it (:func:`~qcomm.build_registry`
 refuses any other).
 """
@@ -46,10 +34,8 @@ class Advice:
         speedup (float): expected speed-up of forward and backward together
             over the no-op codec.
         forward_speedup (float): expected speed-up of the forward pass.
-        max_rel_error (float): the forward codec's largest error relative to
-            the largest magnitude of its input (the codec table's figure).
-        rms_rel_error (float): the forward codec's RMS error relative to its
-            input's RMS.
+        max_rel_error (float): the forward codec's ``max_rel_error``.
+        rms_rel_error (float): the forward codec's ``rms_rel_error``.
     """
 
     op: str
@@ -59,15 +45,11 @@ class Advice:
     forward_speedup: float
     max_rel_error: float
     rms_rel_error: float
+    #: ``forward/backward``, as a registry string writes it
+    pair: str = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def pair(self) -> str:
-        r"""
-        pair() -> str
-
-        ``forward/backward``, as a registry string writes it.
-        """
-        return f"{self.forward}/{self.backward}"
+    def __post_init__(self) -> None:
+        self.pair = f"{self.forward}/{self.backward}"
 
 
 def _models(results: dict[str, Any]) -> dict[str, dict[str, tuple[float, float]]]:
@@ -101,17 +83,12 @@ def speedup_at(model: dict[str, tuple[float, float]], label: str, gbit_per_s: fl
     r"""
     speedup_at(model: dict[str, tuple[float, float]], label: str, gbit_per_s: float) -> float
 
-    The expected speed-up of codec ``label`` over ``noop`` on a link of
-    ``gbit_per_s``.
+    The expected speed-up of codec ``label`` over ``noop`` on a link.
 
     Args:
-        model (dict[str, tuple[float, float]]): each codec's link bytes and
-            time without a link limit.
+        model (dict[str, tuple[float, float]]): codec to link bytes and time without a link limit.
         label (str): the codec.
-        gbit_per_s (float): the link's rate, Gbit/s.
-
-    Returns:
-        float: the no-op codec's predicted time over the codec's.
+        gbit_per_s (float): the link's rate in Gbit/s.
 
     Examples::
 
@@ -133,15 +110,12 @@ def expected_speedups(
     r"""
     expected_speedups(results: dict[str, Any], rates_gbit: list[float]) -> dict[str, dict[str, list[float]]]
 
-    Every qcomm codec's expected speed-up at each rate, per collective, at
+    Every qcomm codec's expected speed-ups, ``op -> codec -> speed-ups``, at
     the run's largest size (forward pass).
 
     Args:
-        results (dict[str, Any]): the run's figures.
-        rates_gbit (list[float]): link rates, Gbit/s.
-
-    Returns:
-        dict[str, dict[str, list[float]]]: op -> codec -> one speed-up per rate.
+        results (dict[str, Any]): the run's JSON content.
+        rates_gbit (list[float]): link rates in Gbit/s.
     """
     out: dict[str, dict[str, list[float]]] = {}
     for op, model in _models(results).items():
@@ -155,15 +129,12 @@ def advise(results: dict[str, Any], gbit_per_s: float) -> list[Advice]:
     r"""
     advise(results: dict[str, Any], gbit_per_s: float) -> list[Advice]
 
-    The recommended codec pair of every measured collective on a link of
-    ``gbit_per_s``; see the module docstring for the rules.
+    The recommended codec pair of every measured collective, in
+    :class:`~qcomm.CommOp` order.
 
     Args:
-        results (dict[str, Any]): the run's figures.
-        gbit_per_s (float): the link's rate, Gbit/s.
-
-    Returns:
-        list[Advice]: one per collective, in :class:`~qcomm.CommOp` order.
+        results (dict[str, Any]): the run's JSON content.
+        gbit_per_s (float): the link's rate in Gbit/s.
     """
     errors = {r["codec"]: r for r in results["codecs"] if r["status"] == "ok"}
     out = []
@@ -201,14 +172,10 @@ def registry_string(advice: list[Advice]) -> str:
     r"""
     registry_string(advice: list[Advice]) -> str
 
-    The advice as the string :func:`~qcomm.build_registry` and ``QCOMM_CODECS``
-    read.
+    The advice as the string :func:`~qcomm.build_registry` and ``QCOMM_CODECS`` read.
 
     Args:
         advice (list[Advice]): from :func:`advise`.
-
-    Returns:
-        str: e.g. ``"pooled_embeddings_all_to_all=int8/bf16,..."``.
 
     Examples::
 

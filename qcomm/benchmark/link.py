@@ -1,17 +1,10 @@
 r"""
-An emulated network link for ``qcomm bench --link RATE``: every local rank
-runs in a network namespace of its own, and the ranks reach each other only
-through virtual Ethernet (veth) devices shaped to ``RATE`` in each direction
-with a token-bucket filter (``tc qdisc ... tbf``), like ports of a switch.
-
-Two ranks are joined by one veth pair; more ranks each get a veth to a bridge
-in a namespace of its own (the switch), shaped on both ends. The namespaces
-are named after this process (``qcomm-<pid>-...``) and removed on every way
-out of :class:`Link` (normal end, error, Ctrl-C, SIGTERM); namespaces left by
-a run that was killed outright are removed by the next run.
-
-Needs root (or ``CAP_NET_ADMIN`` and ``CAP_SYS_ADMIN``) and the ``ip`` and
-``tc`` commands of iproute2.
+The emulated network link of ``qcomm bench --link RATE`` (see :doc:`/bench`):
+a network namespace per rank, joined by veth devices shaped to ``RATE`` each
+way with ``tc``'s token-bucket filter; two ranks by one veth pair, more
+through a bridge. Namespaces are named after this process
+(``qcomm-<pid>-...``): those of a run killed outright are removed by the next.
+Needs root and iproute2's ``ip`` and ``tc``.
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ import subprocess
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["Link", "LinkError", "check_privileges", "parse_rate", "tc_rate"]
+__all__ = ["Link", "LinkError", "parse_rate", "tc_rate"]
 
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*$", re.IGNORECASE)
 _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -34,27 +27,18 @@ _INTERFACE = "eth0"
 
 
 class LinkError(RuntimeError):
-    r"""
-    The emulated link cannot be set up; the message says what is missing.
-    """
+    r"""The emulated link cannot be set up; the message says what is missing."""
 
 
 def parse_rate(text: str) -> float:
     r"""
     parse_rate(text: str) -> float
 
-    A link rate in bits per second, written as ``tc`` writes rates:
-    ``1gbit``, ``10gbit``, ``100mbit``, ``2.5gbit`` (``bit`` may be left out:
-    ``10g``).
+    Bits per second of a rate of at least 1 kbit/s; a bad one raises
+    ``ValueError`` naming ``--link``.
 
     Args:
-        text (str): the rate.
-
-    Returns:
-        float: bits per second.
-
-    Raises:
-        ValueError: if ``text`` is not a positive rate.
+        text (str): as ``tc`` writes it: ``1gbit``, ``100mbit``, ``2.5g``.
 
     Examples::
 
@@ -77,13 +61,10 @@ def tc_rate(bits_per_second: float) -> str:
     r"""
     tc_rate(bits_per_second: float) -> str
 
-    The rate as ``tc`` reads it.
+    The rate as ``tc`` reads it, in kilobits per second.
 
     Args:
         bits_per_second (float): the rate.
-
-    Returns:
-        str: kilobits per second, e.g. ``"1000000kbit"``.
 
     Examples::
 
@@ -123,15 +104,8 @@ def _remove_stale() -> None:
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
-def check_privileges() -> None:
-    r"""
-    check_privileges() -> None
-
-    Checks, without changing anything, that this process can build the link.
-
-    Raises:
-        LinkError: naming what is missing.
-    """
+def _check_privileges() -> None:
+    # Raises LinkError naming what is missing; changes nothing.
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise LinkError(
@@ -147,8 +121,8 @@ def check_privileges() -> None:
 
 class Link:
     r"""
-    The emulated link of one run, as a context manager: entering builds the
-    namespaces and shaped devices, leaving (however it happens) removes them.
+    The emulated link of one run, as a context manager: entering builds it,
+    leaving (normal end, error, Ctrl-C or SIGTERM) removes it.
 
     Args:
         world_size (int): ranks, one namespace each.
@@ -170,18 +144,17 @@ class Link:
         self._tag = f"{_PREFIX}{os.getpid()}"
         self._made: list[str] = []
         self._old_handler: Any = None
+        #: every rank's link device (what ``GLOO_SOCKET_IFNAME`` names)
+        self.interface = _INTERFACE
 
     def namespace(self, rank: int) -> str:
         r"""
         namespace(rank: int) -> str
 
-        The network namespace of ``rank``.
+        The network namespace of a rank, ``qcomm-<pid>-r<rank>``.
 
         Args:
             rank (int): the rank.
-
-        Returns:
-            str: its name, ``qcomm-<pid>-r<rank>``.
         """
         return f"{self._tag}-r{rank}"
 
@@ -189,24 +162,12 @@ class Link:
         r"""
         address(rank: int) -> str
 
-        The IPv4 address of ``rank`` on the link.
+        A rank's IPv4 address on the link, e.g. ``"10.213.0.1"`` for rank 0.
 
         Args:
             rank (int): the rank.
-
-        Returns:
-            str: e.g. ``"10.213.0.1"`` for rank 0.
         """
         return f"{_SUBNET}.{rank + 1}"
-
-    @property
-    def interface(self) -> str:
-        r"""
-        interface() -> str
-
-        The name of every rank's link device (what ``GLOO_SOCKET_IFNAME`` names).
-        """
-        return _INTERFACE
 
     def command(self, rank: int, argv: list[str]) -> list[str]:
         r"""
@@ -217,9 +178,6 @@ class Link:
         Args:
             rank (int): the rank.
             argv (list[str]): the command.
-
-        Returns:
-            list[str]: ``ip netns exec <namespace>`` followed by ``argv``.
         """
         return ["ip", "netns", "exec", self.namespace(rank), *argv]
 
@@ -235,14 +193,11 @@ class Link:
         r"""
         set_shaping(on: bool) -> None
 
-        Lifts the rate limit (``on=False``: the devices then run as fast as
-        the CPUs move the data) or puts it back.
+        Puts the rate limit back, or lifts it; raises :class:`LinkError` if
+        ``tc`` fails.
 
         Args:
-            on (bool): whether the link is shaped to its rate.
-
-        Raises:
-            LinkError: if ``tc`` fails.
+            on (bool): ``False``: the devices run as fast as the CPUs move the data.
         """
         for namespace, device in self._shaped():
             if on:
@@ -299,7 +254,7 @@ class Link:
         raise KeyboardInterrupt(f"signal {signum}")
 
     def __enter__(self) -> Link:
-        check_privileges()
+        _check_privileges()
         _remove_stale()
         try:
             self._old_handler = signal.signal(signal.SIGTERM, self._on_signal)

@@ -1,9 +1,7 @@
 r"""
-The figures of ``qcomm bench``, as pure functions of measured quantities.
-
-Units: sizes in bytes, times in seconds, bandwidths in bytes per second (the
-report divides by :data:`GB`, ``1e9``, as nccl-tests does). Message sizes
-are named in binary units (``64K`` is 65536 bytes).
+The formulas of ``qcomm bench``'s figures, as pure functions; what they mean
+and why is in :doc:`/bench`. Sizes are in bytes, times in seconds,
+bandwidths in bytes per second (the report divides by :data:`GB`).
 """
 
 from __future__ import annotations
@@ -37,18 +35,8 @@ def algorithm_bandwidth(size_bytes: float, seconds: float) -> float:
     nccl-tests' algorithm bandwidth :math:`S / t`.
 
     Args:
-        size_bytes (float): :math:`S`, the message size. For all-to-all and
-            reduce-scatter nccl-tests takes the whole per-rank buffer (what
-            one rank sends, all destinations together); ``qcomm bench``
-            takes the float32 size of that buffer whatever the codec puts on
-            the wire, so that a codec's gain shows as bandwidth.
-        seconds (float): :math:`t`, the latency of one call.
-
-    Returns:
-        float: bytes per second.
-
-    Raises:
-        ValueError: if ``seconds`` is not positive or ``size_bytes`` is negative.
+        size_bytes (float): :math:`S`, a rank's float32 buffer, whatever the wire carries.
+        seconds (float): :math:`t`, positive.
 
     Examples::
 
@@ -66,44 +54,21 @@ def bus_bandwidth(algbw: float, world_size: int, *, all_reduce: bool = False) ->
     r"""
     bus_bandwidth(algbw: float, world_size: int, *, all_reduce: bool = False) -> float
 
-    nccl-tests' bus bandwidth of an all-to-all or a reduce-scatter, or of an
-    all-reduce.
-
-    nccl-tests (``doc/PERFORMANCE.md``, "Bus bandwidth") corrects the
-    algorithm bandwidth by what each rank's link must carry: of the :math:`S`
-    bytes of a rank's buffer, the :math:`1/n` addressed to itself never leaves
-    it, so both collectives move :math:`S (n - 1) / n` per link and
-
-    .. math::
-
-        \text{busbw} = \text{algbw} \cdot \frac{n - 1}{n}
-
-    (the same factor nccl-tests lists for AlltoAll and ReduceScatter), which
-    compares with the hardware's link speed whatever :math:`n` is. The three
-    embedding collectives of ``qcomm bench`` are of these two kinds. An
-    all-reduce is a reduce-scatter and an all-gather, twice the traffic:
-
-    .. math::
-
-        \text{busbw} = \text{algbw} \cdot \frac{2 (n - 1)}{n}
+    nccl-tests' bus bandwidth: ``algbw`` times :math:`(n - 1) / n` for an
+    all-to-all or a reduce-scatter, twice that for an all-reduce.
 
     Args:
-        algbw (float): the algorithm bandwidth, bytes per second.
+        algbw (float): the algorithm bandwidth.
         world_size (int): :math:`n`, the number of ranks.
         all_reduce (bool, optional): the all-reduce's factor. Default: ``False``.
-
-    Returns:
-        float: bytes per second; ``0`` on a single rank, where nothing travels.
 
     Raises:
         ValueError: if ``world_size`` is less than 1.
 
     Examples::
 
-        >>> bus_bandwidth(8.0, 2), bus_bandwidth(8.0, 8)
-        (4.0, 7.0)
-        >>> bus_bandwidth(8.0, 2, all_reduce=True), bus_bandwidth(8.0, 8, all_reduce=True)
-        (8.0, 14.0)
+        >>> bus_bandwidth(8.0, 2), bus_bandwidth(8.0, 8), bus_bandwidth(8.0, 8, all_reduce=True)
+        (4.0, 7.0, 14.0)
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size!r}")
@@ -116,37 +81,15 @@ def break_even_bandwidth(
     r"""
     break_even_bandwidth(wire_bytes: float, logical_bytes: float, encode_seconds: float, decode_seconds: float) -> float
 
-    The link bandwidth below which a codec pays for itself.
-
-    Sending :math:`\ell` logical (float32) bytes over a link of bandwidth
-    :math:`B` takes :math:`\ell / B`. With the codec, :math:`w` wire bytes
-    travel and encode plus decode cost :math:`c` seconds per logical byte, so
-    it takes :math:`w / B + c \ell`. The codec wins when
-    :math:`w / B + c \ell < \ell / B`, that is when
-
-    .. math::
-
-        B < B^{*} = \frac{1 - w / \ell}{c}, \qquad
-        c = \frac{t_\text{encode} + t_\text{decode}}{\ell}
-
-    with :math:`B^{*}` in bytes per second when :math:`c` is in seconds per
-    byte. The model counts the codec's compute as not overlapped with
-    communication: it is the break-even of a collective that encodes, sends
-    and decodes one after the other. qcomm's collectives overlap the three
-    (see :doc:`/collectives`), so they break even at faster links.
+    The link bandwidth :math:`B^{*} = (1 - w / \ell) / c` below which a codec
+    pays for itself when nothing overlaps (see :doc:`/bench`); ``0`` when it
+    saves nothing, ``inf`` when it saves bytes for free.
 
     Args:
-        wire_bytes (float): :math:`w`, bytes on the wire for the tensor.
-        logical_bytes (float): :math:`\ell`, its float32 size.
-        encode_seconds (float): time to encode it.
-        decode_seconds (float): time to decode it.
-
-    Returns:
-        float: :math:`B^{*}` in bytes per second; ``0`` when the codec saves
-        nothing (:math:`w \ge \ell`), ``inf`` when it saves bytes for free.
-
-    Raises:
-        ValueError: if ``logical_bytes`` is not positive or a time is negative.
+        wire_bytes (float): :math:`w`.
+        logical_bytes (float): :math:`\ell`, positive.
+        encode_seconds (float): encode time, with ``decode_seconds`` over :math:`\ell`: :math:`c`.
+        decode_seconds (float): decode time.
 
     Examples::
 
@@ -178,34 +121,15 @@ def predicted_time(link_bytes: float, rate: float, cpu_seconds: float) -> float:
     r"""
     predicted_time(link_bytes: float, rate: float, cpu_seconds: float) -> float
 
-    The time of a collective call on a link of ``rate`` bytes per second, from
-    the bytes it puts on each rank's port and its time where the link is not
-    the limit.
-
-    The call needs :math:`L = b / R` of link time and :math:`P` of its own
-    work (encoding, decoding, copies, the network stack). The pipeline
-    overlaps them, but not perfectly: when they are of the same size they
-    get in each other's way. Measured over codecs and links from 1 to 10
-    Gbit/s (see ``qcomm bench --link``), the time follows
-
-    .. math::
-
-        T(R) = \sqrt{L^2 + P^2}
-
-    which tends to the larger of the two when one dominates, and is
-    :math:`\sqrt{2}` times either when they are equal.
+    The model's time of a collective call on a link of ``rate`` bytes per
+    second, :math:`\sqrt{(b / R)^2 + P^2}` (see :doc:`/bench`).
 
     Args:
-        link_bytes (float): :math:`b`, wire bytes through each rank's port
-            (the busiest), divided by the link's efficiency.
-        rate (float): :math:`R`, the link's rate in bytes per second; ``inf``
-            for no link limit.
+        link_bytes (float): :math:`b`, wire bytes through each rank's port,
+            over the link's efficiency.
+        rate (float): :math:`R`; ``inf`` for no link limit.
         cpu_seconds (float): :math:`P`, the call's time when the link is not
-            the limit (measured on loopback, or on the emulated link with its
-            rate limit lifted).
-
-    Returns:
-        float: seconds.
+            the limit.
 
     Raises:
         ValueError: if ``rate`` is not positive or a figure is negative.
@@ -230,26 +154,15 @@ def collective_break_even(
     r"""
     collective_break_even(base_bytes: float, base_seconds: float, codec_bytes: float, codec_seconds: float) -> float
 
-    The link rate below which a codec makes a collective faster than the
-    no-op codec, by :func:`predicted_time`.
-
-    With :math:`b_0, P_0` the no-op call's link bytes and time without a link
-    limit and :math:`b_c, P_c` the codec's, the codec is faster where
-    :math:`(b_0^2 - b_c^2) / R^2 > P_c^2 - P_0^2`, that is below
-
-    .. math::
-
-        R^{*} = \sqrt{\frac{b_0^2 - b_c^2}{P_c^2 - P_0^2}}
+    The link rate :math:`R^{*}` below which a codec makes a collective
+    faster than the no-op codec, by :func:`predicted_time`; ``inf`` when it
+    is faster at every rate, ``0`` when it saves no bytes.
 
     Args:
-        base_bytes (float): :math:`b_0`.
-        base_seconds (float): :math:`P_0`.
-        codec_bytes (float): :math:`b_c`.
-        codec_seconds (float): :math:`P_c`.
-
-    Returns:
-        float: :math:`R^{*}` in bytes per second; ``inf`` when the codec is
-        faster at every rate, ``0`` when it saves no bytes.
+        base_bytes (float): :math:`b_0`, the no-op codec's link bytes.
+        base_seconds (float): :math:`P_0`, its time without a link limit.
+        codec_bytes (float): :math:`b_c`, the codec's link bytes.
+        codec_seconds (float): :math:`P_c`, its time without a link limit.
 
     Examples::
 
@@ -271,26 +184,17 @@ def sqnr_db(signal_energy: float, noise_energy: float) -> float:
     r"""
     sqnr_db(signal_energy: float, noise_energy: float) -> float
 
-    Signal-to-quantization-noise ratio
-    :math:`10 \log_{10}(\sum x_i^2 / \sum (\hat{x}_i - x_i)^2)` in decibels.
+    Signal-to-quantization-noise ratio, :math:`10 \log_{10}` of the energies'
+    ratio, in decibels: ``inf`` when exact, ``nan`` when both are zero.
 
     Args:
-        signal_energy (float): :math:`\sum x_i^2`.
-        noise_energy (float): :math:`\sum (\hat{x}_i - x_i)^2`.
-
-    Returns:
-        float: decibels; ``inf`` for an exact result, ``nan`` when there is
-        neither signal nor noise.
-
-    Raises:
-        ValueError: if an energy is negative.
+        signal_energy (float): non-negative.
+        noise_energy (float): non-negative.
 
     Examples::
 
-        >>> sqnr_db(100.0, 1.0)
-        20.0
-        >>> sqnr_db(1.0, 0.0)
-        inf
+        >>> sqnr_db(100.0, 1.0), sqnr_db(1.0, 0.0)
+        (20.0, inf)
     """
     if signal_energy < 0 or noise_energy < 0:
         raise ValueError(
@@ -305,15 +209,12 @@ def sqnr_db(signal_energy: float, noise_energy: float) -> float:
 
 class ErrorStats(NamedTuple):
     r"""
-    How far a decoded tensor :math:`\hat{x}` is from its float32 original :math:`x`.
+    How far a decoded tensor is from its float32 original (see :doc:`/bench`).
 
     Args:
-        max_rel (float): :math:`\max_i |\hat{x}_i - x_i| / \max_i |x_i|`. The
-            largest error relative to the tensor's largest magnitude, not to
-            each element's own: per-element relative error is unbounded near
-            zero, where every quantizer rounds to an absolute step.
-        rms_rel (float): :math:`\sqrt{\sum_i (\hat{x}_i - x_i)^2 / \sum_i x_i^2}`.
-        sqnr_db (float): :math:`-20 \log_{10}` of ``rms_rel``; see :func:`sqnr_db`.
+        max_rel (float): the largest error over the original's largest magnitude.
+        rms_rel (float): the error's RMS over the original's RMS.
+        sqnr_db (float): :func:`sqnr_db`.
     """
 
     max_rel: float
@@ -325,18 +226,11 @@ def error_stats(reference: torch.Tensor, approx: torch.Tensor) -> ErrorStats:
     r"""
     error_stats(reference: Tensor, approx: Tensor) -> ErrorStats
 
-    Error of ``approx`` against ``reference``, computed in float64.
+    The error of ``approx`` against ``reference``, computed in float64.
 
     Args:
-        reference (Tensor): the float32 original :math:`x`.
-        approx (Tensor): the decoded :math:`\hat{x}`, same number of elements.
-
-    Returns:
-        ErrorStats: maximum and RMS error relative to the reference's scale,
-        and the SQNR.
-
-    Raises:
-        ValueError: if the element counts differ or ``reference`` is empty.
+        reference (Tensor): the original, not empty.
+        approx (Tensor): as many elements as ``reference``.
 
     Examples::
 

@@ -1,6 +1,6 @@
 r"""
-The options of ``qcomm bench``: the size, codec-list and collective
-mini-languages, and :class:`BenchConfig`, the run's settings as every rank
+The option mini-languages of ``qcomm bench`` (sizes, codec lists,
+collectives) and :class:`BenchConfig`, the run's settings as every rank
 receives them.
 """
 
@@ -12,8 +12,8 @@ import math
 import re
 from typing import Any
 
-from qcomm.benchmark.collectives import BenchOp, DenseOp
-from qcomm.registry import parse_codec_spec, split_codec_specs
+from qcomm.benchmark.series import BenchOp, DenseOp
+from qcomm.specs import parse_codec_spec, split_codec_specs
 from qcomm.types import CodecError, CommOp
 
 __all__ = [
@@ -64,18 +64,10 @@ def parse_size(text: str) -> int:
     r"""
     parse_size(text: str) -> int
 
-    A byte count with an optional binary unit: ``65536``, ``64K``, ``64KiB``,
-    ``1M``, ``1G`` (case-insensitive).
+    Bytes of a size; ``ValueError`` if it is not one.
 
     Args:
-        text (str): the size.
-
-    Returns:
-        int: bytes.
-
-    Raises:
-        ValueError: if ``text`` is not a positive whole number with an
-            optional ``K``/``M``/``G`` unit.
+        text (str): a positive size with an optional binary unit, any case: ``64K``, ``64KiB``, ``1M``.
 
     Examples::
 
@@ -94,22 +86,15 @@ def parse_number(
     r"""
     parse_number(text: str, option: str, kind: type[float] | type[int], low: float, high: float) -> float | int
 
-    A number of an option, held to a range the run can honour: a timeout of
-    ``inf`` or a seed of ``1e23`` would otherwise fail deep inside a rank.
+    The value of an option, held to ``[low, high]``: a timeout of ``inf``
+    would otherwise fail deep inside a rank. ``ValueError`` names ``option``.
 
     Args:
-        text (str): what the user typed.
-        option (str): the option's name, for the message, e.g. ``"--timeout"``.
-        kind (type): ``float`` or ``int`` (a whole number; ``1e3`` is refused).
-        low (float): the smallest value accepted.
-        high (float): the largest value accepted.
-
-    Returns:
-        float | int: the value, of ``kind``.
-
-    Raises:
-        ValueError: if ``text`` is not a finite number of ``kind`` from
-            ``low`` to ``high``; the message names ``option``.
+        text (str): the option's value.
+        option (str): the option, e.g. ``--timeout``.
+        kind (type[float] | type[int]): ``float`` or ``int`` (``1e3`` is no ``int``).
+        low (float): the least value.
+        high (float): the largest value.
 
     Examples::
 
@@ -141,17 +126,10 @@ def parse_sizes(text: str) -> list[int]:
     r"""
     parse_sizes(text: str) -> list[int]
 
-    A comma-separated list of sizes (see :func:`parse_size`), sorted, repeats
-    dropped.
+    Sizes, ascending, repeats dropped; ``ValueError`` if malformed or empty.
 
     Args:
-        text (str): e.g. ``"64K,1M,64M"``.
-
-    Returns:
-        list[int]: bytes, ascending.
-
-    Raises:
-        ValueError: if a size is malformed or the list is empty.
+        text (str): comma-separated sizes (:func:`parse_size`).
 
     Examples::
 
@@ -173,9 +151,6 @@ def format_size(size: int) -> str:
     Args:
         size (int): bytes.
 
-    Returns:
-        str: e.g. ``"64K"``, ``"1M"``, ``"1000"``.
-
     Examples::
 
         >>> format_size(65536), format_size(64 << 20), format_size(1000)
@@ -191,22 +166,11 @@ def split_codec_list(text: str) -> list[str]:
     r"""
     split_codec_list(text: str) -> list[str]
 
-    Splits the list of codec specs of ``--codecs``, whose options also use
-    commas, as ``qcomm.registry.split_codec_specs`` does for
-    ``QCOMM_CODECS`` too: ``;`` always separates, and an item ``key=value``
-    is one more option of the spec before it.
+    The codec specs of ``--codecs``, split as those of ``QCOMM_CODECS``;
+    :class:`~qcomm.CodecError` naming ``--codecs`` if a spec is malformed.
 
     Args:
-        text (str): e.g. ``"int8:row_dim=64,stochastic=true,fp16"``.
-
-    Returns:
-        list[str]: one spec per codec, e.g.
-        ``["int8:row_dim=64,stochastic=true", "fp16"]``.
-
-    Raises:
-        CodecError: if the list starts with a bare option, or a spec is
-            malformed (see :func:`~qcomm.parse_codec_spec`); the message
-            names ``--codecs``.
+        text (str): specs; ``;`` always separates, ``key=value`` continues a spec.
 
     Examples::
 
@@ -226,20 +190,13 @@ def parse_ops(text: str) -> list[BenchOp]:
     r"""
     parse_ops(text: str) -> list[CommOp | DenseOp]
 
-    A comma-separated list of collectives: :class:`~qcomm.CommOp` names or
-    values, or the short names ``pooled`` (``a2a``), ``reduce_scatter``
-    (``rs``) and ``sequence`` (``seq``); and ``all_reduce`` (``ar``,
-    ``ddp``), the DDP hook's all-reduce of dense gradients.
+    Collectives in :class:`~qcomm.CommOp` order then the all-reduce,
+    repeats dropped; ``ValueError`` if an item names none or there is none.
 
     Args:
-        text (str): e.g. ``"pooled,rs"``.
-
-    Returns:
-        list[CommOp | DenseOp]: in :class:`~qcomm.CommOp` order, then the
-        all-reduce; repeats dropped.
-
-    Raises:
-        ValueError: if an item names no collective, or the list is empty.
+        text (str): comma-separated :class:`~qcomm.CommOp` names or values,
+            ``pooled`` (``a2a``), ``reduce_scatter`` (``rs``), ``sequence``
+            (``seq``), ``all_reduce`` (``ar``, ``ddp``: the DDP hook's).
 
     Examples::
 
@@ -269,36 +226,31 @@ def parse_ops(text: str) -> list[BenchOp]:
 class BenchConfig:
     r"""
     Everything a rank needs to run its part of ``qcomm bench``; travels to
-    locally spawned ranks as JSON.
+    locally spawned ranks as JSON. The options of the same names are in
+    ``qcomm bench --help``.
 
     Args:
-        codecs (list[str] | None): codec specs, or ``None`` for every
-            discovered codec. The no-op codec is always measured first: it is
-            the baseline of every speed-up.
-        sizes (list[int]): message sizes in bytes: each rank's float32 buffer.
-        ops (list[str]): :class:`~qcomm.CommOp` values of the collectives, and
-            ``"all_reduce"`` for the DDP hook's all-reduce.
+        codecs (list[str] | None): codec specs, ``None`` for every
+            discovered codec; ``noop`` is always measured first.
+        sizes (list[int]): message sizes: each rank's float32 buffer, bytes.
+        ops (list[str]): :class:`~qcomm.CommOp` values, and ``"all_reduce"``.
         world_size (int): ranks to spawn locally (ignored under a launcher).
         quick (bool): the smoke-test settings.
         json_path (str | None): where to write every figure.
         plot_path (str | None): where to draw the PNG.
-        fbgemm (bool): measure fbgemm's codecs and TorchRec's all-to-all beside.
+        fbgemm (bool): measure fbgemm's codecs and TorchRec's all-to-all too.
         timeout (float): seconds a collective may wait for its peers.
         budget (float): seconds of timed calls per measurement.
         codec_bytes (int): float32 bytes of the tensor each codec encodes.
         max_calls (int): timed calls per measurement at most.
         seed (int): seed of the random inputs.
-        dim (int): embedding columns per rank in the collectives' inputs.
-        link (str | None): the rate of the emulated link the local ranks run
-            on (``--link``), or ``None`` for none.
+        dim (int): columns of the collectives' inputs.
+        link (str | None): rate of the emulated link (``--link``), or ``None``.
         backward (bool): also time the forward and backward pass together.
         chunk_bytes (int | None): qcomm's chunk size, ``None`` for automatic.
-        rounds (int): timed rounds of every series at every size; the series
-            take turns within a round, so that a slow spell of the machine
-            falls on all of them.
+        rounds (int): timed rounds of every series at every size.
         command (list[str] | None): the command line that started the run.
-        link_gbps (float | None): the rate of the user's own link in Gbit/s
-            (``--link-gbps``), which the advice is for.
+        link_gbps (float | None): the user's link in Gbit/s (``--link-gbps``).
     """
 
     codecs: list[str] | None = None
@@ -326,10 +278,7 @@ class BenchConfig:
         r"""
         to_json() -> str
 
-        The configuration as a JSON object.
-
-        Returns:
-            str: JSON text that :meth:`from_json` reads back.
+        The configuration as JSON text, which :meth:`from_json` reads back.
         """
         return json.dumps(dataclasses.asdict(self))
 
@@ -341,10 +290,7 @@ class BenchConfig:
         Reads a configuration written by :meth:`to_json`.
 
         Args:
-            text (str): JSON text.
-
-        Returns:
-            BenchConfig: the configuration.
+            text (str): the JSON text.
 
         Examples::
 
@@ -354,13 +300,11 @@ class BenchConfig:
         data: dict[str, Any] = json.loads(text)
         return cls(**data)
 
-    @property
     def comm_ops(self) -> list[BenchOp]:
         r"""
         comm_ops() -> list[CommOp | DenseOp]
 
-        :attr:`ops` as :class:`~qcomm.CommOp` (or
-        :class:`~qcomm.benchmark.collectives.DenseOp`) members.
+        The collectives of :attr:`ops` as :class:`~qcomm.CommOp` or :class:`~qcomm.benchmark.series.DenseOp` members.
         """
         dense = {op.value: op for op in DenseOp}
         return [dense[op] if op in dense else CommOp.parse(op) for op in self.ops]

@@ -1,7 +1,6 @@
 r"""
-The report of ``qcomm bench``: the terminal table, the JSON file with every
-figure, and the plot (bandwidth against message size for each collective,
-error against bits per element).
+The report of ``qcomm bench``: the terminal tables, the JSON file with every
+figure, and the plot. How to read them: :doc:`/bench`.
 """
 
 from __future__ import annotations
@@ -11,14 +10,14 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
 from typing import Any
 
+from qcomm._table import format_table
 from qcomm.benchmark.advice import advise, expected_speedups, registry_string
-from qcomm.benchmark.codecs import FBGEMM_FORMATS
+from qcomm.benchmark.candidates import FBGEMM_FORMATS
 from qcomm.benchmark.options import OP_TITLES, format_size
 
-__all__ = ["UNITS", "format_report", "jsonable", "write_plot", "write_report"]
+__all__ = ["UNITS", "format_report", "jsonable", "write_report"]
 
 # What the JSON's fields mean; written into the file itself.
 UNITS = {
@@ -65,14 +64,11 @@ def jsonable(value: Any) -> Any:
     r"""
     jsonable(value: Any) -> Any
 
-    ``value`` with every non-finite float replaced by ``None``, since JSON has
-    no infinity or NaN (an exact codec's SQNR is infinite).
+    A copy with every non-finite float replaced by ``None``: JSON has no
+    infinity or NaN (an exact codec's SQNR is infinite).
 
     Args:
         value (Any): nested dicts, lists and scalars.
-
-    Returns:
-        Any: the same structure, valid for ``json.dumps(allow_nan=False)``.
 
     Examples::
 
@@ -96,19 +92,6 @@ def _num(value: float | None, digits: int = 3) -> str:
     if math.isnan(value):
         return "nan"
     return f"{value:.{digits}g}"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: int = 1) -> str:
-    # The first `right` columns are text, left-aligned; the figures align right.
-    widths = [max(len(c) for c in col) for col in zip(header, *rows)]
-    lines = []
-    for row in [header, *rows]:
-        cells = [
-            c.ljust(w) if i < right else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _codec_table(results: dict[str, Any]) -> str:
@@ -147,7 +130,7 @@ def _codec_table(results: dict[str, Any]) -> str:
                 f"{100 * r.get('spread', 0.0):.0f}%",
             ]
         )
-    return _table(header, rows)
+    return format_table(header, rows, text_columns=1)
 
 
 def _collective_tables(results: dict[str, Any], passes: str) -> list[str]:
@@ -174,7 +157,7 @@ def _collective_tables(results: dict[str, Any], passes: str) -> list[str]:
             rows.append(row)
         title = OP_TITLES.get(op, op) + ("" if passes == "fwd" else ", forward+backward")
         header = [title, *[format_size(s) for s in sizes]]
-        tables.append(_table(header, rows))
+        tables.append(format_table(header, rows, text_columns=1))
     return tables
 
 
@@ -231,7 +214,7 @@ def _detail_tables(results: dict[str, Any]) -> list[str]:
             row.append("-" if p.get("vs_torchrec") is None else f"x{p['vs_torchrec']:.2f}")
             rows.append(row)
         title = f"{OP_TITLES.get(op, op)}, {format_size(size)} per rank"
-        tables.append(title + ":\n" + _table(header, rows, right=2))
+        tables.append(title + ":\n" + format_table(header, rows, text_columns=2))
     return tables
 
 
@@ -310,7 +293,7 @@ def _advice(results: dict[str, Any]) -> list[str]:
     table = [[label, *[f"x{v:.2f}" for v in values]] for label, values in speedups[op].items()]
     lines += [
         f"  Expected speed-up over noop, {OP_TITLES.get(op, op)} (the plot has every rate):",
-        "  " + _table(header, table).replace("\n", "\n  "),
+        "  " + format_table(header, table, text_columns=1).replace("\n", "\n  "),
     ]
     return lines
 
@@ -364,15 +347,11 @@ def format_report(results: dict[str, Any]) -> str:
     r"""
     format_report(results: dict[str, Any]) -> str
 
-    The terminal report: the codec table, one bandwidth table per collective,
-    and the failures with their reasons.
+    The terminal report: the codec table, the collectives' tables, the
+    advice, and the failures with their reasons.
 
     Args:
-        results (dict[str, Any]): what :func:`~qcomm.benchmark.runner.run_rank`
-            gathered (the JSON's content).
-
-    Returns:
-        str: the text to print.
+        results (dict[str, Any]): the JSON's content.
     """
     meta = results["meta"]
     roof = results["roofline"]
@@ -552,24 +531,10 @@ def _error_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> Non
     ax.grid(True, which="major", alpha=0.3)
 
 
-def write_plot(results: dict[str, Any], path: str) -> None:
-    r"""
-    write_plot(results: dict[str, Any], path: str) -> None
-
-    Draws, as a PNG: the expected speed-up of each codec against the link's
-    rate (0.1 to 400 Gbit/s, the model's curves, measured points where the
-    run had an emulated link, the user's link marked); RMS error against
-    wire bits per element; and bus bandwidth against message size for each
-    collective (one line per codec, TorchRec's dashed, the bare calls
-    dotted, a format's rows in one colour).
-
-    Args:
-        results (dict[str, Any]): the run's figures.
-        path (str): the PNG file to write.
-
-    Raises:
-        ImportError: if matplotlib is not installed.
-    """
+def _write_plot(results: dict[str, Any], path: str) -> None:
+    # Speed-up against link rate, error against wire bits, and bus bandwidth
+    # against size (a format in one colour, TorchRec dashed, bare dotted).
+    # Needs matplotlib.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -655,11 +620,10 @@ def write_report(
     r"""
     write_report(results: dict[str, Any], *, json_path: str | None = None, plot_path: str | None = None) -> None
 
-    Prints the table on stdout and writes the JSON and the plot if asked.
-
-    The paths are checked before the run starts; should the JSON file still
-    fail to be written (its folder removed meanwhile, a full disk), the figures
-    go to a temporary file instead, named on stderr, rather than being lost.
+    Prints the report on stdout and writes the JSON and the plot if asked.
+    Should the JSON file fail to be written (its folder removed since the
+    run started, a full disk), the figures go to a temporary file named on
+    stderr rather than being lost.
 
     Args:
         results (dict[str, Any]): the run's figures.
@@ -683,5 +647,5 @@ def write_report(
                 file=sys.stderr,
             )
     if plot_path:
-        write_plot(results, plot_path)
+        _write_plot(results, plot_path)
         print(f"plot written to {plot_path}", file=sys.stderr)

@@ -28,11 +28,10 @@ def synchronize(device: torch.device) -> None:
     r"""
     synchronize(device: torch.device) -> None
 
-    Waits for the work queued on ``device`` (CUDA kernels run asynchronously;
-    CPU work is done when the call returns).
+    Waits for the work queued on a device (CUDA runs asynchronously).
 
     Args:
-        device (torch.device): the device measured.
+        device (torch.device): the device.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -44,24 +43,18 @@ def calls_for_budget(
     r"""
     calls_for_budget(seconds_per_call: float, budget: float, min_calls: int = 1, max_calls: int = 1000) -> int
 
-    How many calls of a measured length fit a time budget.
+    How many calls fit a budget, clamped to ``[min_calls, max_calls]``.
 
     Args:
-        seconds_per_call (float): the length of one call (e.g. its warm-up).
-        budget (float): seconds to spend.
-        min_calls (int, optional): at least this many. Default: ``1``.
-        max_calls (int, optional): at most this many. Default: ``1000``.
-
-    Returns:
-        int: ``budget / seconds_per_call`` rounded down, clamped to
-        ``[min_calls, max_calls]``.
+        seconds_per_call (float): one call's time.
+        budget (float): seconds.
+        min_calls (int, optional): the fewest calls. Default: ``1``.
+        max_calls (int, optional): the most calls. Default: ``1000``.
 
     Examples::
 
-        >>> calls_for_budget(0.01, 0.1)
-        10
-        >>> calls_for_budget(1.0, 0.1, min_calls=3)
-        3
+        >>> calls_for_budget(0.01, 0.1), calls_for_budget(1.0, 0.1, min_calls=3)
+        (10, 3)
     """
     if seconds_per_call <= 0 or not math.isfinite(seconds_per_call):
         return max_calls if seconds_per_call <= 0 else min_calls
@@ -85,21 +78,15 @@ def time_samples(
     r"""
     time_samples(fn: Callable[[], Any], device: torch.device, *, budget: float, min_calls: int = 3, max_calls: int = 1000) -> list[float]
 
-    Seconds per call of ``fn``, sample by sample, after a warm-up call, over
-    as many samples as fit ``budget``. A call shorter than
-    :data:`MIN_SAMPLE_S` is repeated back to back within each sample and the
-    sample is their mean.
+    Seconds per call, sample by sample, after a warm-up call; a sample is at
+    least :data:`MIN_SAMPLE_S` of back-to-back calls.
 
     Args:
-        fn (Callable[[], Any]): the call measured; must not need collectives
-            (every rank may repeat it a different number of times).
-        device (torch.device): where ``fn`` runs.
-        budget (float): seconds to spend after the warm-up.
-        min_calls (int, optional): samples at least. Default: ``3``.
-        max_calls (int, optional): samples at most. Default: ``1000``.
-
-    Returns:
-        list[float]: seconds per call of each sample, in order.
+        fn (Callable[[], Any]): no collectives: ranks may repeat it unequally often.
+        device (torch.device): synchronized after each sample.
+        budget (float): seconds of samples.
+        min_calls (int, optional): the fewest samples. Default: ``3``.
+        max_calls (int, optional): the most samples. Default: ``1000``.
 
     Examples::
 
@@ -133,19 +120,15 @@ def time_calls(
     r"""
     time_calls(fn: Callable[[], Any], device: torch.device, *, budget: float, min_calls: int = 3, max_calls: int = 1000) -> float
 
-    Median seconds of one call of ``fn`` (see :func:`time_samples`). The
-    median keeps a call that another process interrupted from skewing the
-    figure.
+    The median of :func:`time_samples`, which takes the same arguments: a
+    call that another process interrupted does not skew it.
 
     Args:
-        fn (Callable[[], Any]): the call measured.
-        device (torch.device): where ``fn`` runs.
-        budget (float): seconds to spend after the warm-up.
-        min_calls (int, optional): timed calls at least. Default: ``3``.
-        max_calls (int, optional): timed calls at most. Default: ``1000``.
-
-    Returns:
-        float: median seconds per call.
+        fn (Callable[[], Any]): no collectives.
+        device (torch.device): the device.
+        budget (float): seconds.
+        min_calls (int, optional): Default: ``3``.
+        max_calls (int, optional): Default: ``1000``.
 
     Examples::
 
@@ -161,15 +144,11 @@ def relative_spread(samples: list[float]) -> float:
     r"""
     relative_spread(samples: list[float]) -> float
 
-    How much repeated timings of the same thing disagree: the interquartile
-    range over the median (0 for identical samples; 0.2 means the middle
-    half of the samples spans 20% of the median).
+    How much repeated timings disagree: the interquartile range over the
+    median (0.2: the middle half spans 20% of the median).
 
     Args:
-        samples (list[float]): at least one timing.
-
-    Returns:
-        float: the relative spread; ``0`` for fewer than 2 samples.
+        samples (list[float]): timings; fewer than 2 give 0.
 
     Examples::
 

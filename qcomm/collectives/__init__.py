@@ -1,7 +1,30 @@
 r"""
 The three collectives of sharded embeddings, each with a codec on the forward
-and on the backward pass: :func:`all_to_all_pooled`,
-:func:`reduce_scatter_pooled` and :func:`all_to_all_sequence`.
+and on the backward pass: :func:`~qcomm.all_to_all_pooled`,
+:func:`~qcomm.reduce_scatter_pooled` and :func:`~qcomm.all_to_all_sequence`
+(see :doc:`collectives`). What the three share:
+
+- A call starts its communication at once and returns an
+  :class:`~qcomm.Awaitable`; the result is decoded and laid out on
+  :meth:`~qcomm.Awaitable.wait`.
+- The output is differentiable: its gradient goes back through the inverse
+  collective, encoded with the backward codec.
+- Every rank of ``group`` must make the same calls in the same order, with
+  matching splits, trailing shapes, codecs and ``chunk_bytes``, and must run
+  the backward pass if any rank does.
+- The first call of each collective on each group checks that the ranks
+  agree, and a rank whose arguments are invalid makes the others raise
+  :class:`~qcomm.CodecError` naming it instead of waiting. ``QCOMM_VERIFY=1``
+  checks every call, ``QCOMM_VERIFY=0`` none; the setting must be the same
+  on all ranks (:doc:`collectives`, "Mistakes and failures").
+- ``chunk_bytes`` sets the chunk the pipeline cuts each peer's data into, in
+  float32 bytes whatever the dtype; ``None`` picks it (:doc:`collectives`,
+  "Pipelined, full duplex").
+
+.. warning::
+    With a codec that returns its input (the no-op codec, ``codecs=None``),
+    the input's memory is sent as it is: do not modify ``input`` in place
+    before :meth:`~qcomm.Awaitable.wait`.
 """
 
 from qcomm.collectives.pooled import all_to_all_pooled

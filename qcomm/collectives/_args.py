@@ -1,9 +1,9 @@
-r"""
+"""
 Argument checks shared by the collectives, run before any communication.
 
-A mistake on one rank of a collective does not fail alone: the other ranks
-wait for data that never comes, or receive garbage. Everything a rank can
-check about its own call is checked here, so that it raises at once.
+A mistake on one rank does not fail alone: the other ranks wait for data
+that never comes, or receive garbage. So whatever a rank can check about its
+own call is checked here, and raises at once.
 """
 
 from __future__ import annotations
@@ -29,23 +29,7 @@ _MAX_SPLIT = 1 << 63
 
 
 def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
-    r"""
-    resolve_group(group: Any) -> tuple[ProcessGroup, int, int]
-
-    The process group of a call, with this rank and the world size.
-
-    Args:
-        group (Any): a process group, or ``None`` for the default group.
-
-    Returns:
-        tuple[ProcessGroup, int, int]: the group, this process's rank in it
-        and its size.
-
-    Raises:
-        ValueError: if no process group is initialised or this process is not
-            in ``group``.
-        TypeError: if ``group`` is not a process group.
-    """
+    """The process group of a call (``None``: the default group), this rank and the world size."""
     # The default group is looked up late so that importing qcomm never
     # requires an initialised process group.
     if not dist.is_available() or not dist.is_initialized():
@@ -72,22 +56,7 @@ def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
 
 
 def check_input(input: Any, name: str, group: dist.ProcessGroup, ndim: int | None = None) -> None:
-    r"""
-    check_input(input: Any, name: str, group: ProcessGroup, ndim: int | None = None) -> None
-
-    Checks a collective's input tensor: type, dtype, rank and device.
-
-    Args:
-        input (Any): what the caller passed.
-        name (str): the argument's name, for messages.
-        group (ProcessGroup): the call's group (its backend decides the device).
-        ndim (int, optional): the exact number of dimensions required.
-            Default: ``None`` (at least one).
-
-    Raises:
-        TypeError: if ``input`` is not a dense floating-point tensor.
-        ValueError: if its shape or device does not fit.
-    """
+    """Checks a collective's input tensor: type, dtype, layout, dimensions and device."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(input).__name__}")
     if not input.is_floating_point():
@@ -115,26 +84,7 @@ def check_input(input: Any, name: str, group: dist.ProcessGroup, ndim: int | Non
 def check_splits(
     splits: Any, name: str, world_size: int, total: int | None = None, what: str = ""
 ) -> list[int]:
-    r"""
-    check_splits(splits: Any, name: str, world_size: int, total: int | None = None, what: str = "") -> list[int]
-
-    Checks a per-rank split list: one non-negative int per rank, summing to
-    ``total`` if given.
-
-    Args:
-        splits (Any): what the caller passed (a sequence or a 1-D tensor).
-        name (str): the argument's name, for messages.
-        world_size (int): the number of entries required.
-        total (int, optional): the required sum. Default: ``None`` (any).
-        what (str, optional): what ``total`` is, for messages. Default: ``""``.
-
-    Returns:
-        list[int]: the splits as plain ints.
-
-    Raises:
-        TypeError: if ``splits`` or an entry is not an int (``bool`` refused).
-        ValueError: if an entry is negative, or the length or sum is wrong.
-    """
+    """Checks a split list: one non-negative int per rank, summing to ``total`` if given."""
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
     if not isinstance(splits, Sequence) or isinstance(splits, str):
@@ -193,25 +143,7 @@ def _gloo_carries(group: dist.ProcessGroup | None, device: torch.device) -> bool
 def check_codec(
     codec: Any, name: str, device: torch.device, group: dist.ProcessGroup | None = None
 ) -> None:
-    r"""
-    check_codec(codec: Any, name: str, device: torch.device, group: ProcessGroup | None = None) -> None
-
-    Checks that ``codec`` follows the codec contract, runs on ``device`` and
-    has a wire dtype the backend of ``group`` can carry.
-
-    Args:
-        codec (Any): the codec object.
-        name (str): the argument's name, for messages.
-        device (torch.device): where the data lives.
-        group (ProcessGroup, optional): the call's group. Default: ``None``
-            (the backend is not asked).
-
-    Raises:
-        TypeError: if members of the contract are missing or not callable, or
-            ``quantized_dtype`` is not a ``torch.dtype``.
-        CodecError: if the codec's ``info`` does not list the device's type,
-            or the backend cannot carry its wire dtype.
-    """
+    """Checks that ``codec`` follows the contract, runs on ``device`` and its wire can travel."""
     if not isinstance(codec, QuantizedCommCodec):
         missing = [m for m in CODEC_MEMBERS if not hasattr(codec, m)]
         raise TypeError(
@@ -246,29 +178,7 @@ def check_codec(
 def resolve_codecs(
     codecs: Any, dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup | None = None
 ) -> tuple[Any, Any]:
-    r"""
-    resolve_codecs(codecs: Any, dtype: torch.dtype, device: torch.device, group: ProcessGroup | None = None) -> tuple[Any, Any]
-
-    The checked forward and backward codecs of a call.
-
-    Args:
-        codecs (Any): a codec pair (anything with ``forward`` and ``backward``,
-            such as :class:`~qcomm.QuantizedCommCodecs`) or ``None``.
-        dtype (torch.dtype): the input's dtype; with ``codecs=None`` the data
-            travels in it.
-        device (torch.device): where the data lives.
-        group (ProcessGroup, optional): the call's group, whose backend must
-            carry the wire dtypes. Default: ``None`` (not checked).
-
-    Returns:
-        tuple[Any, Any]: the forward and the backward codec.
-
-    Raises:
-        TypeError: if ``codecs`` is not a pair, a codec breaks the contract,
-            or (with ``codecs=None``) the backend cannot carry ``dtype``.
-        CodecError: if a codec cannot run on ``device`` or its wire dtype
-            cannot travel.
-    """
+    """The checked forward and backward codecs of a call (no-op codecs for ``codecs=None``)."""
     if codecs is None:
         if dtype not in _GLOO_DTYPES and _gloo_carries(group, device):
             raise TypeError(
@@ -289,42 +199,12 @@ def resolve_codecs(
 
 
 def check_flag(value: Any, name: str) -> bool:
-    r"""
-    check_flag(value: Any, name: str) -> bool
-
-    Checks a boolean option.
-
-    Args:
-        value (Any): what the caller passed.
-        name (str): the argument's name, for messages.
-
-    Returns:
-        bool: ``value``.
-
-    Raises:
-        TypeError: if ``value`` is not a ``bool``.
-    """
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
     return value
 
 
 def check_chunk_bytes(value: Any) -> int | None:
-    r"""
-    check_chunk_bytes(value: Any) -> int | None
-
-    Checks the ``chunk_bytes`` option of a collective.
-
-    Args:
-        value (Any): what the caller passed.
-
-    Returns:
-        int | None: ``value``.
-
-    Raises:
-        TypeError: if ``value`` is neither ``None`` nor an int.
-        ValueError: if it is not positive.
-    """
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):

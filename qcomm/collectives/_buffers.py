@@ -1,20 +1,12 @@
-r"""
+"""
 Memory of the collectives on CPU, reused from call to call.
 
-On CPU every fresh allocation of a few MiB or more is a new memory mapping
-whose pages fault in (and are zeroed by the kernel) on first touch, which
-costs as much as moving the data over a 10 Gbit/s link. So the collectives
-reuse memory:
-
-- receive buffers, which a call decodes out of and hands back at once
-  (:func:`take`, :func:`give`; at most :data:`KEEP` kept, oldest dropped);
-- outputs and gradients, which leave the collective: :func:`lease` makes
-  them from kept memory and takes the memory back when the last tensor that
-  uses it is freed, however the user holds it (views included). Such a
-  tensor cannot be resized, like a tensor from :func:`torch.frombuffer`.
-
-Memory is asked to live on huge pages (:func:`empty`). CUDA has PyTorch's
-caching allocator, so nothing is kept there.
+On CPU a fresh allocation of a few MiB or more is a new mapping whose pages
+fault in (zeroed by the kernel) on first touch, which costs as much as
+moving the data over a 10 Gbit/s link. So receive buffers are kept
+(:func:`take`, :func:`give`), and outputs and gradients are made from kept
+memory that comes back when the user frees them (:func:`lease`). CUDA has
+PyTorch's caching allocator: nothing is kept there.
 """
 
 from __future__ import annotations
@@ -39,20 +31,7 @@ _lock = threading.Lock()
 
 
 def take(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    r"""
-    take(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor
-
-    A 1-D buffer of ``numel`` elements: a kept one that fits, else a new one.
-
-    Args:
-        numel (int): elements needed.
-        dtype (torch.dtype): their dtype.
-        device (torch.device): their device.
-
-    Returns:
-        Tensor: uninitialised, contiguous, owned by the caller until
-        :func:`give` hands it back.
-    """
+    """A 1-D uninitialised buffer of ``numel`` elements, kept or new, until :func:`give`."""
     if device.type == "cpu" and numel * dtype.itemsize >= MIN_BYTES:
         with _lock:
             best = _pick(_free, numel * dtype.itemsize)
@@ -62,15 +41,7 @@ def take(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def give(buffer: torch.Tensor) -> None:
-    r"""
-    give(buffer: Tensor) -> None
-
-    Hands a buffer from :func:`take` back for reuse; the caller keeps no view
-    of it.
-
-    Args:
-        buffer (Tensor): the buffer (or a view of it).
-    """
+    """Hands a buffer from :func:`take` (or a view of it) back; the caller keeps no view of it."""
     base = buffer if buffer._base is None else buffer._base
     if base.device.type != "cpu" or base.numel() * base.element_size() < MIN_BYTES:
         return
@@ -93,21 +64,13 @@ def _madvise() -> Callable[[int, int, int], int] | None:
         return None
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
-    return madvise  # type: ignore[no-any-return]
+    return madvise
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    r"""
-    empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor
-
-    A new tensor that leaves the collective (an output or a gradient), on
-    CPU asked to live on huge pages.
-
-    A fresh CPU buffer of many MiB is faulted in 4 KiB page by page on its
-    first write, which costs several times the write itself; where Linux
-    keeps transparent huge pages for those who ask ("madvise" mode), asking
-    cuts the faults 512-fold. Advice only: where it is refused or unknown,
-    nothing changes.
+    """
+    A new tensor, on CPU asked to live on transparent huge pages ("madvise"
+    mode), which cuts its first-touch page faults 512-fold; advice only.
     """
     out = torch.empty(shape, dtype=dtype, device=device)
     size = out.numel() * out.element_size()
@@ -139,17 +102,12 @@ def _returned(number: int) -> None:
 
 
 def lease(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    r"""
-    lease(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor
+    """
+    A new uninitialised tensor for an output or gradient, on CPU made from kept memory.
 
-    A new, uninitialised tensor for a collective's output or gradient, on CPU
-    made from memory kept for reuse, which comes back when the tensor's
-    storage is freed.
-
-    The tensor owns its storage as any other (it is not a view); the memory
-    is kept alive by a small holder object that the storage references, and
-    its death returns the memory to the pool. A tensor of less than
-    :data:`MIN_BYTES`, or not on CPU, is a plain :func:`torch.empty`.
+    The tensor owns its storage (it is not a view, and cannot be resized, like a
+    tensor from :func:`torch.frombuffer`); the storage holds a small object
+    whose death hands the memory back, however the user holds the tensor.
     """
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize

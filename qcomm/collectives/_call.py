@@ -1,11 +1,9 @@
-r"""
-The start of every collective call (and of its backward): the group, this
-rank, and the call's transport, opened before anything can fail so that the
-ranks count their calls alike. Whatever fails before the call's headers go
-out is told to the peers where the transport sends headers (see
-``_header``); they raise a :class:`~qcomm.CodecError` naming this rank
-instead of waiting for it. (Where it does not, the first-call agreement
-check, ``_verify``, tells them.)
+"""
+The start of every collective call and of its backward: the group, this rank
+and the call's transport, opened before anything can fail so that the ranks
+count their calls alike. A failure before the call's headers go out is told
+to the peers (where the transport sends headers, else by the agreement
+check), which raise naming this rank instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -18,24 +16,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives._agreement import Agreement
 from qcomm.collectives._args import resolve_group
 from qcomm.collectives._transport import Transport, open_transport
-from qcomm.collectives._verify import Agreement
 from qcomm.types import CommOp
 
 
 @dataclass
 class Call:
-    r"""
-    One collective call on this rank.
-
-    Args:
-        name (str): the collective and pass, e.g. ``"all_to_all_pooled forward"``.
-        group (ProcessGroup): the call's group.
-        rank (int): this rank in ``group``.
-        world (int): the size of ``group``.
-        transport (Transport): the call's transport.
-    """
+    """One collective call (or backward pass) on this rank."""
 
     name: str
     group: dist.ProcessGroup
@@ -53,29 +42,7 @@ def _device(input: Any) -> torch.device:
 
 @contextmanager
 def begin(name: str, group: Any, input: Any, op: CommOp | None = None) -> Iterator[Call]:
-    r"""
-    begin(name: str, group: Any, input: Any, op: CommOp | None = None) -> Iterator[Call]
-
-    Opens a call; an exception raised inside the ``with`` block before the
-    call's headers went out is told to every peer, then goes on.
-
-    Args:
-        name (str): the collective and pass.
-        group (Any): what the caller gave as the group.
-        input (Any): the call's input (its device picks the transport).
-        op (CommOp, optional): the collective, for a forward pass: with an
-            invalid ``group`` this rank still meets the default group's
-            rank-agreement check. Default: ``None``.
-
-    Returns:
-        Iterator[Call]: the call, as a context manager.
-
-    Raises:
-        TypeError: if ``group`` is not a process group (the ranks of the
-            default group are told, since they may be waiting on it).
-        ValueError: if no process group is initialised or this process is
-            not in ``group``.
-    """
+    """Opens a call; an exception in the ``with`` block is told to every peer, then goes on."""
     try:
         pg, rank, world = resolve_group(group)
     except TypeError as err:
@@ -91,7 +58,7 @@ def begin(name: str, group: Any, input: Any, op: CommOp | None = None) -> Iterat
 
 
 def _tell_default_group(name: str, error: BaseException, op: CommOp | None) -> None:
-    """Tells the default group's ranks that this rank's call has no group."""
+    """Tells the default group's ranks that this rank's call has no valid group."""
     if not dist.is_initialized():
         return
     pg, rank, world = resolve_group(None)

@@ -1,16 +1,11 @@
-r"""
-What a codec will do, as text and as a 64-bit fingerprint that ranks compare.
+"""
+What a codec will do, as text and as a 64-bit fingerprint that ranks compare
+(what it holds: docs/collectives.rst, "Mistakes and failures").
 
-Two codecs of one class can differ in an option the class keeps in a private
-attribute (fbgemm's ``_loss_scale``) or computes with, so a codec is described
-by its class, its ``repr``, every plain-valued attribute (private ones too),
-its :class:`~qcomm.CodecInfo`, its wire dtype and sizes, and the wire it
-makes of a small fixed probe tensor (encoded by a copy of it, so that
-nothing of the codec changes). A codec whose ``info`` declares it
-``stateful`` keeps state that may rightly differ between ranks: it is
-described by its class, ``repr``, info, wire dtype and sizes only, so options
-it keeps beside its state are not compared. A codec without ``info`` (one
-written for TorchRec) is described in full.
+Two codecs of one class can differ in an option kept in a private attribute
+(fbgemm's ``_loss_scale``), so every plain-valued attribute is described, and
+the wire a copy of the codec makes of a fixed probe. A ``stateful`` codec's
+state may rightly differ between ranks: its attributes and probe are left out.
 """
 
 from __future__ import annotations
@@ -38,6 +33,8 @@ _PROBE = torch.cat(
 # addresses in a repr.
 _DEVICE_INDEX = re.compile(r"\b(cuda|xpu|hpu|mps):\d+")
 _ADDRESS = re.compile(r"\b0x[0-9a-fA-F]+")
+# Typed Any: mypy takes a class's __repr__ and object's for different types.
+_OBJECT_REPR: Any = object.__repr__
 _PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, enum.Enum, CodecInfo)
 # Fingerprints of codecs seen before, keyed by identity and attributes.
 _cache: dict[tuple[int, type, tuple[tuple[str, str], ...]], tuple[int, str]] = {}
@@ -70,34 +67,15 @@ def _probe_wire(codec: Any) -> str:
 
 
 def _declared_stateful(codec: Any) -> bool:
-    """Whether the codec's own ``info`` says it keeps state between calls."""
     info = getattr(codec, "info", None)
     return isinstance(info, CodecInfo) and info.stateful
 
 
 def describe_codec(codec: Any) -> str:
-    r"""
-    describe_codec(codec: Any) -> str
-
-    A text that differs between two codecs that would encode differently
-    (see the module docstring for what it holds).
-
-    Args:
-        codec (Any): any object following the codec contract.
-
-    Returns:
-        str: the description; device indices (``cuda:1``) and addresses
-        (``0x7f...``) are left out.
-
-    Examples::
-
-        >>> from qcomm import NoOpQuantizedCommCodec
-        >>> describe_codec(NoOpQuantizedCommCodec()).split("; ")[:2]
-        ['class=qcomm.types.NoOpQuantizedCommCodec', 'repr=NoOpQuantizedCommCodec()']
-    """
+    """A text that differs between two codecs that would encode differently."""
     cls = type(codec)
     parts = [f"class={cls.__module__}.{cls.__qualname__}"]
-    if cls.__repr__ is not object.__repr__:
+    if cls.__repr__ is not _OBJECT_REPR:
         parts.append(f"repr={_safe(lambda: repr(codec))}")
     info = codec_info(codec)
     full = not _declared_stateful(codec)
@@ -118,20 +96,9 @@ def describe_codec(codec: Any) -> str:
 
 
 def short_name(codec: Any) -> str:
-    r"""
-    short_name(codec: Any) -> str
-
-    The codec as a user would name it in a message: its ``repr`` when the
-    class defines one, else its class and attributes.
-
-    Args:
-        codec (Any): the codec.
-
-    Returns:
-        str: at most 200 characters.
-    """
+    """The codec as a user would name it in a message: its ``repr``, or its class and attributes."""
     cls = type(codec)
-    if cls.__repr__ is not object.__repr__:
+    if cls.__repr__ is not _OBJECT_REPR:
         text = _safe(lambda: repr(codec))
     else:
         attrs = ", ".join(f"{k}={v}" for k, v in _attributes(codec))
@@ -140,20 +107,7 @@ def short_name(codec: Any) -> str:
 
 
 def fingerprint(codec: Any) -> tuple[int, str]:
-    r"""
-    fingerprint(codec: Any) -> tuple[int, str]
-
-    A 64-bit hash of :func:`describe_codec` and the codec's :func:`short_name`,
-    computed once per class and set of attribute values (per object when
-    an attribute is not a plain value), so that a call costs a dictionary
-    look-up once such a codec has been seen.
-
-    Args:
-        codec (Any): the codec.
-
-    Returns:
-        tuple[int, str]: the hash (a signed 64-bit int) and the short name.
-    """
+    """The 64-bit hash of :func:`describe_codec` and the :func:`short_name`, cached."""
     # A stateful codec's attributes change with its state; it is described
     # without them. Codecs of one class whose attributes are all plain values
     # behave alike (the collectives make a no-op codec per call): they share
@@ -170,16 +124,6 @@ def fingerprint(codec: Any) -> tuple[int, str]:
 
 
 def hash64(text: str) -> int:
-    r"""
-    hash64(text: str) -> int
-
-    A stable signed 64-bit hash of ``text`` (the same in every process).
-
-    Args:
-        text (str): what to hash.
-
-    Returns:
-        int: the hash.
-    """
+    """A stable signed 64-bit hash of ``text`` (the same in every process)."""
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)

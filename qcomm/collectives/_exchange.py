@@ -1,28 +1,15 @@
-r"""
-The exchange every collective is made of: regions of this rank's tensor go to
-peers, encoded; regions of the result come from peers, decoded in place.
+"""
+The exchange every collective is made of: regions of this rank's tensor go
+to peers encoded, in chunks; regions of the result come from peers, decoded
+in place or added (reduce-scatter) in a fixed order, so that results never
+depend on timing. How and why it pipelines: docs/collectives.rst,
+"Pipelined, full duplex".
 
-A region is a :class:`Rows` (a ``[rows, width]`` view, padded on the wire to
-the width the codec's ``padded_size`` asks for) or a :class:`Flat` (a 1-D
-view, padded at its end). Each region travels in *chunks*, so that encoding
-chunk :math:`k+1` overlaps with sending chunk :math:`k`, and decoding chunk
-:math:`k` with receiving chunk :math:`k+1`:
-
-- every receive is declared (and, where the backend allows, posted) before
-  the first send;
-- each chunk is encoded and sent at once, as its own message;
-- on :meth:`~qcomm.Awaitable.wait` each chunk is decoded straight into its
-  place in the result (with the codec's optional ``decode_into``), or added
-  to it (reduce-scatter), in a fixed order, so results never depend on timing.
-
-Chunk boundaries fall on whole rows and on multiples of the codec's
-:attr:`~qcomm.CodecInfo.error_block`, and every chunk is encoded on its own,
-so a chunked call gives the same bits as an unchunked one. Codecs that do
-not declare a :class:`~qcomm.CodecInfo`, keep state across calls, or scale a
-whole tensor at once (``error_block == 0``) travel in one chunk per region.
-
-The codec never sees what a rank keeps for itself: that region is copied
-(or summed) locally, unencoded, since it crosses no link.
+A region is a :class:`Rows` (a ``[rows, width]`` view, padded on the wire
+to the codec's ``padded_size``) or a :class:`Flat` (a 1-D view, padded at
+its end). Chunks fall on whole rows and multiples of the codec's
+``error_block`` and are encoded on their own, so a chunked call gives the
+same bits as an unchunked one.
 """
 
 from __future__ import annotations
@@ -59,25 +46,7 @@ _MAX_CHUNKS = 8
 
 
 def chunk_elements(length: int, chunk_bytes: int | None) -> int:
-    r"""
-    chunk_elements(length: int, chunk_bytes: int | None) -> int
-
-    Elements per chunk of a region of ``length`` elements: ``chunk_bytes / 4``
-    when given (the size is counted in float32 bytes whatever the dtype, so
-    that every rank cuts the same chunks), else automatic.
-
-    Args:
-        length (int): the region's padded length.
-        chunk_bytes (int, optional): the user's chunk size.
-
-    Returns:
-        int: at least 1.
-
-    Examples::
-
-        >>> chunk_elements(1000, None), chunk_elements(1 << 24, None), chunk_elements(1 << 24, 4096)
-        (1000, 2097152, 1024)
-    """
+    """Elements per chunk: ``chunk_bytes // 4`` (float32 bytes on all ranks), or automatic."""
     if chunk_bytes is not None:
         return max(1, chunk_bytes // 4)
     if length <= _SMALL:
@@ -86,16 +55,7 @@ def chunk_elements(length: int, chunk_bytes: int | None) -> int:
 
 
 def offsets(sizes: list[int]) -> list[int]:
-    r"""
-    offsets(sizes: list[int]) -> list[int]
-
-    Where each of ``sizes`` starts when laid end to end, and the total.
-
-    Examples::
-
-        >>> offsets([2, 0, 3])
-        [0, 2, 2, 5]
-    """
+    """Where each of ``sizes`` starts when laid end to end, and the total."""
     out = [0]
     for s in sizes:
         out.append(out[-1] + s)
@@ -103,26 +63,12 @@ def offsets(sizes: list[int]) -> list[int]:
 
 
 def send_order(rank: int, world: int) -> list[int]:
-    r"""
-    send_order(rank: int, world: int) -> list[int]
-
-    The peers in the order this rank sends to them: the next rank first, so
-    that the ranks do not all start with the same one.
-
-    Examples::
-
-        >>> send_order(1, 4), recv_order(1, 4)
-        ([2, 3, 0], [0, 3, 2])
-    """
+    """The peers in sending order: the next rank first, so the ranks do not all start with one."""
     return [(rank + i) % world for i in range(1, world)]
 
 
 def recv_order(rank: int, world: int) -> list[int]:
-    r"""
-    recv_order(rank: int, world: int) -> list[int]
-
-    The peers in the order their data reaches this rank (see :func:`send_order`).
-    """
+    """The peers in the order their data reaches this rank (see :func:`send_order`)."""
     return [(rank - i) % world for i in range(1, world)]
 
 
@@ -134,14 +80,7 @@ def _boundaries(length: int, granule: int, step: int) -> list[tuple[int, int]]:
 
 
 class Rows:
-    r"""
-    A ``[rows, width]`` region (any strides), padded on the wire with zero
-    columns to ``padded`` and cut into chunks of whole rows.
-
-    Args:
-        region (Tensor): the 2-D view.
-        padded (int): its width on the wire (at least ``width``).
-    """
+    """A ``[rows, width]`` view (any strides), padded on the wire with zero columns."""
 
     def __init__(self, region: torch.Tensor, padded: int) -> None:
         self.region = region
@@ -149,11 +88,7 @@ class Rows:
         self.length = region.shape[0] * padded
 
     def chunks(self, align: int, step: int) -> list[tuple[int, int]]:
-        r"""
-        chunks(align: int, step: int) -> list[tuple[int, int]]
-
-        The chunks' ``[start, stop)`` in wire-layout elements.
-        """
+        """The chunks' ``[start, stop)`` in wire-layout elements, on whole rows."""
         if self.length == 0:
             return [(0, 0)]
         granule = self.padded * (align // math.gcd(align, self.padded))
@@ -165,46 +100,25 @@ class Rows:
         return self.region[start // self.padded : stop // self.padded]
 
     def read(self, start: int, stop: int) -> torch.Tensor:
-        r"""
-        read(start: int, stop: int) -> Tensor
-
-        The chunk as a contiguous 1-D tensor, padding included (a view when
-        the region's rows are contiguous and need no padding).
-        """
+        """The chunk as a contiguous 1-D tensor, padding included."""
         rows = self._rows(start, stop)
         pad = self.padded - rows.shape[1]
         return (F.pad(rows, (0, pad)) if pad else rows.contiguous()).view(-1)
 
     def target(self, start: int, stop: int) -> torch.Tensor | None:
-        r"""
-        target(start: int, stop: int) -> Tensor | None
-
-        Where the chunk's decoded elements go, when they map one to one
-        (no padding to strip); else ``None``.
-        """
+        """Where the chunk's decoded elements go when none is padding; else ``None``."""
         rows = self._rows(start, stop)
         return rows if rows.shape[1] == self.padded else None
 
     def write(self, start: int, stop: int, values: torch.Tensor, add: bool) -> None:
-        r"""
-        write(start: int, stop: int, values: Tensor, add: bool) -> None
-
-        Stores (or adds) the chunk's decoded 1-D values, dropping padding.
-        """
+        """Stores (or adds) the chunk's decoded 1-D values, dropping padding."""
         rows = self._rows(start, stop)
         block = values.view(rows.shape[0], self.padded)[:, : rows.shape[1]]
         rows.add_(block) if add else rows.copy_(block)
 
 
 class Flat:
-    r"""
-    A 1-D region of ``n`` elements, padded on the wire with zeros at its end
-    to ``padded`` and cut into chunks at multiples of the codec's block.
-
-    Args:
-        region (Tensor): the 1-D view.
-        padded (int): its length on the wire (at least ``n``).
-    """
+    """A 1-D view, padded on the wire with zeros at its end."""
 
     def __init__(self, region: torch.Tensor, padded: int) -> None:
         self.region = region
@@ -212,19 +126,11 @@ class Flat:
         self.length = padded
 
     def chunks(self, align: int, step: int) -> list[tuple[int, int]]:
-        r"""
-        chunks(align: int, step: int) -> list[tuple[int, int]]
-
-        The chunks' ``[start, stop)`` in wire-layout elements.
-        """
+        """The chunks' ``[start, stop)`` in wire-layout elements."""
         return _boundaries(self.length, align, step)
 
     def read(self, start: int, stop: int) -> torch.Tensor:
-        r"""
-        read(start: int, stop: int) -> Tensor
-
-        The chunk as a contiguous 1-D tensor, padding included.
-        """
+        """The chunk as a contiguous 1-D tensor, padding included."""
         n = self.region.numel()
         part = self.region[min(start, n) : min(stop, n)]
         if stop <= n:
@@ -232,19 +138,11 @@ class Flat:
         return torch.cat([part, part.new_zeros(stop - max(start, n))])
 
     def target(self, start: int, stop: int) -> torch.Tensor | None:
-        r"""
-        target(start: int, stop: int) -> Tensor | None
-
-        Where the chunk's decoded elements go, when none is padding; else ``None``.
-        """
+        """Where the chunk's decoded elements go when none is padding; else ``None``."""
         return self.region[start:stop] if stop <= self.region.numel() else None
 
     def write(self, start: int, stop: int, values: torch.Tensor, add: bool) -> None:
-        r"""
-        write(start: int, stop: int, values: Tensor, add: bool) -> None
-
-        Stores (or adds) the chunk's decoded values, dropping padding.
-        """
+        """Stores (or adds) the chunk's decoded values, dropping padding."""
         n = self.region.numel()
         part = self.region[min(start, n) : min(stop, n)]
         block = values[: part.numel()]
@@ -278,35 +176,10 @@ def start_exchange(
     add: bool = False,
     call: str = "",
 ) -> Callable[[], None]:
-    r"""
-    start_exchange(sends: Sequence[tuple[list[int], Region]], recvs: Sequence[tuple[int, Region]], codec: Any, ctx: Any, transport: Transport, dtype: torch.dtype, chunk_bytes: int | None, add: bool = False, call: str = "") -> Callable[[], None]
-
-    Encodes the first chunk, exchanges headers with every peer (where the
-    transport is checked, see ``_header``), declares every receive, then
-    encodes and sends every chunk; returns the function that receives and
-    decodes.
-
-    Args:
-        sends (Sequence[tuple[list[int], Region]]): each region with the peers it
-            goes to (one encoding serves them all), in sending order.
-        recvs (Sequence[tuple[int, Region]]): each region of the result with the
-            peer it comes from, in the order the peers send.
-        codec (Any): the codec; ``ctx`` its call's context.
-        transport (Transport): the call's transport.
-        dtype (torch.dtype): the data's dtype (sent and received).
-        chunk_bytes (int, optional): the chunk size; see :func:`chunk_elements`.
-        add (bool, optional): add the decoded values to the result instead
-            of storing them. Default: ``False``.
-        call (str, optional): the collective and pass, for headers and
-            messages. Default: ``""``.
-
-    Returns:
-        Callable[[], None]: waits for every receive, decodes it into its
-        region, waits for the sends and closes the transport.
-
-    Raises:
-        CodecError: if the ranks' headers disagree, a peer failed, or the
-            codec fails; every rank of the call raises, none waits.
+    """
+    Sends every region of ``sends`` (to its peers) and declares every receive of
+    ``recvs`` (from its peer); returns the function that receives, decodes and
+    closes. A disagreement or failure raises :class:`~qcomm.CodecError` on every rank.
     """
     align = _alignment(codec, transport)
     identity = _identity(codec, dtype)

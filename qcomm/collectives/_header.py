@@ -1,24 +1,13 @@
-r"""
-The header and trailer of a call: what every pair of ranks tells each other
-on every call where every call is checked (``QCOMM_VERIFY=1``, gloo), in the
-same exchange as the data, so that no call exchanges garbage, aborts on a
-size mismatch, or leaves a peer waiting.
+"""
+The header and trailer each pair of ranks exchanges with the data of every
+call under ``QCOMM_VERIFY=1`` on gloo (docs/collectives.rst, "Mistakes and
+failures", says what they catch).
 
-Before any data, rank :math:`k` sends every peer :math:`r` a header: whether
-it could start the call (else why not), which collective and pass it is in,
-a fingerprint of its codec, its data dtype, and for both directions of the
-pair the elements, chunks and wire sizes it will send to :math:`r` and
-expects from :math:`r`. Each rank posts its data receives only once the
-headers agree, so a disagreement raises a :class:`~qcomm.CodecError` on
-both ranks of the pair, naming the other, before any data moves. After its
-last chunk to a peer, a rank sends a trailer saying whether every chunk was
-encoded: a codec that fails half-way still sends chunks of the promised
-sizes (zeros) and then a failed trailer, so that its peers raise too; so
-does a rank that disagrees with a third one. (Two ranks sending each other
-one chunk need no trailer: the chunk is encoded before the header goes out.)
-
-Headers and trailers are :data:`SIZE` bytes: 16 int64 fields and a UTF-8
-text (the codec's name, or the error).
+A rank posts its data receives only once the headers agree, so a mismatch
+raises on both ranks before any data moves. A rank that fails after its
+header went out still sends chunks of the promised sizes (zeros), then a
+failed trailer, so that no peer waits. Both are :data:`SIZE` bytes: 16 int64
+fields, then UTF-8 text (the codec's name, or the error).
 """
 
 from __future__ import annotations
@@ -43,27 +32,13 @@ OK, FAILED = 0, 1
 
 @dataclass(frozen=True)
 class Flow:
-    r"""
-    What travels one way between two ranks in a call.
-
-    Args:
-        elements (int): data elements (before encoding, padding included).
-        sizes (tuple[int, ...]): the wire size of every chunk, in order.
-    """
+    """What travels one way between two ranks: elements (padding included), chunk wire sizes."""
 
     elements: int = 0
     sizes: tuple[int, ...] = ()
 
     def fields(self) -> list[int]:
-        r"""
-        fields() -> list[int]
-
-        The flow as header fields: elements, chunks, wire elements and a
-        hash of the chunk sizes.
-
-        Returns:
-            list[int]: four ints.
-        """
+        """Elements, chunks, wire elements and a hash of the chunk sizes."""
         return [self.elements, len(self.sizes), sum(self.sizes), hash64(repr(self.sizes))]
 
     def __str__(self) -> str:
@@ -73,18 +48,7 @@ class Flow:
 
 @dataclass(frozen=True)
 class Header:
-    r"""
-    One rank's header (or trailer) to one peer.
-
-    Args:
-        status (int): :data:`OK` or :data:`FAILED`.
-        call (str): the collective and pass, e.g. ``"all_to_all_pooled forward"``.
-        codec (int): the codec's fingerprint.
-        dtype (str): the data dtype.
-        sends (Flow): what this rank sends to the peer.
-        expects (Flow): what this rank expects from the peer.
-        text (str): the codec's name, or why this rank failed.
-    """
+    """One rank's header (or trailer) to one peer; ``text``: the codec's name, or the error."""
 
     status: int
     call: str = ""
@@ -95,14 +59,7 @@ class Header:
     text: str = ""
 
     def pack(self) -> torch.Tensor:
-        r"""
-        pack() -> Tensor
-
-        The header as :data:`SIZE` bytes.
-
-        Returns:
-            Tensor: uint8, 1-D.
-        """
+        """The header as :data:`SIZE` bytes (uint8, 1-D)."""
         text = self.text.encode("utf-8", "replace")[:_TEXT]
         fields = [
             _MAGIC,
@@ -121,37 +78,12 @@ class Header:
 
 
 def fail(call: str, error: BaseException) -> Header:
-    r"""
-    fail(call: str, error: BaseException) -> Header
-
-    The header (or trailer) of a rank that failed.
-
-    Args:
-        call (str): the collective and pass.
-        error (BaseException): why.
-
-    Returns:
-        Header: a failed header carrying the error's type and message.
-    """
+    """The header (or trailer) of a rank that failed, carrying the error."""
     return Header(FAILED, call, text=f"{type(error).__name__}: {error}")
 
 
 def problems(mine: Header, peer: int, rank: int, blob: torch.Tensor) -> list[str]:
-    r"""
-    problems(mine: Header, peer: int, rank: int, blob: Tensor) -> list[str]
-
-    What is wrong between this rank's header to ``peer`` and the header
-    ``peer`` sent it.
-
-    Args:
-        mine (Header): this rank's header to ``peer``.
-        peer (int): the other rank.
-        rank (int): this rank.
-        blob (Tensor): the peer's header as received.
-
-    Returns:
-        list[str]: nothing if the two agree, else one sentence per difference.
-    """
+    """What differs between this rank's header to ``peer`` and the one ``peer`` sent (``blob``)."""
     data = blob.numpy().tobytes()
     fields = struct.unpack_from(_FORMAT, data)
     text = data[struct.calcsize(_FORMAT) :][: max(0, min(fields[14], _TEXT))]

@@ -1,11 +1,8 @@
-r"""
-The result of a collective in flight, and its place in the autograd graph.
-
-A collective starts its communication when called and returns a
-:class:`Pending`. Its :meth:`~qcomm.Awaitable.wait` finishes the call (waits,
-decodes, lays out the output) inside an autograd function whose input is the
-collective's input, so the output is connected to the input's graph and its
-backward runs the inverse collective.
+"""
+The result of a collective in flight, and its place in the autograd graph:
+:meth:`~qcomm.Awaitable.wait` finishes the call inside an autograd function
+whose input is the collective's input, so that the output's backward runs
+the inverse collective.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from qcomm.awaitable import Awaitable
 
 class _Collective(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         input: torch.Tensor,
         finish: Callable[[], torch.Tensor],
@@ -37,16 +34,7 @@ class _Collective(torch.autograd.Function):
 
 
 class Pending(Awaitable[torch.Tensor]):
-    r"""
-    A collective's output, ready after :meth:`~qcomm.Awaitable.wait`.
-
-    Args:
-        input (Tensor): the collective's input; the output's gradient flows to it.
-        finish (Callable[[], Tensor]): waits for the communication and returns
-            the output.
-        backward (Callable[[Tensor], Tensor]): maps the output's gradient to the
-            input's, running the inverse collective.
-    """
+    """A collective's output, ready after :meth:`~qcomm.Awaitable.wait`."""
 
     def __init__(
         self,
@@ -60,7 +48,9 @@ class Pending(Awaitable[torch.Tensor]):
         self._backward = backward
 
     def _wait_impl(self) -> torch.Tensor:
-        output = _Collective.apply(self._input, self._finish, self._backward)
+        # Function.apply is untyped in torch's stubs.
+        apply: Callable[..., torch.Tensor] = _Collective.apply
+        output = apply(self._input, self._finish, self._backward)
         # Drop what the call held so that wait() frees the wire buffers.
         del self._input, self._finish, self._backward
-        return output  # type: ignore[no-any-return]
+        return output

@@ -1,22 +1,12 @@
-r"""
+"""
 How wire tensors cross between ranks: the one place that knows backends.
 
-A collective call hands its transport every receive it expects (peer and
-size) before any send, then its sends as they are encoded, then waits for
-each receive in turn. Two ways to carry that out:
-
-- :class:`PointToPoint` (gloo on the CPU): every receive is posted at once
-  into one reused buffer, and every send goes out the moment it is encoded,
-  each as its own message. Receiving before sending, both directions at
-  once, is what fills a full-duplex link: gloo's own ``all_to_all_single``
-  posts its sends first and often runs one direction at a time (half the
-  link), and it starts only once the whole wire is encoded. Chunks of a
-  peer's data are matched in order (gloo keeps the order of messages
-  between two ranks with the same tag).
-- :class:`OneAllToAll` (NCCL, and any other backend): the backend's own
-  all-to-all, once per call, over the sends laid end to end. NCCL's
-  all-to-all is full duplex already and its kernels overlap with the
-  encoding on other CUDA streams; it takes one chunk per peer.
+A call declares every receive before any send, sends as it encodes, then
+waits for each receive. :class:`PointToPoint` (gloo on CPU) posts every
+receive at once and sends each chunk as its own message; chunks from one peer
+match in order, as gloo keeps the order of messages between two ranks with one
+tag. :class:`OneAllToAll` (NCCL, any other backend) runs the backend's
+all-to-all once per call. Why: docs/collectives.rst, "Pipelined, full duplex".
 """
 
 from __future__ import annotations
@@ -29,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives import _buffers, _header
-from qcomm.collectives._verify import ENV
+from qcomm.collectives._agreement import ENV
 
 # Every call on a group gets a tag of its own, counted alike on every rank
 # (the ranks make the same calls in the same order): messages of a call that
@@ -50,20 +40,7 @@ _ALIGN = 64
 
 
 def open_transport(group: dist.ProcessGroup, rank: int, device: torch.device) -> Transport:
-    r"""
-    open_transport(group: ProcessGroup, rank: int, device: torch.device) -> Transport
-
-    The transport of one collective call on ``group``, chosen by its backend.
-
-    Args:
-        group (ProcessGroup): the call's group.
-        rank (int): this rank in ``group``.
-        device (torch.device): where the wire tensors live.
-
-    Returns:
-        Transport: point-to-point on gloo with CPU tensors, the backend's
-        all-to-all otherwise.
-    """
+    """The transport of one call: point-to-point on gloo with CPU tensors, else one all-to-all."""
     if device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower():
         count = _calls.get(group, 0)
         _calls[group] = count + 1
@@ -82,15 +59,7 @@ def _aligned(numel: int, dtype: torch.dtype) -> int:
 
 
 class Transport:
-    r"""
-    The wire of one collective call: receives declared first, then sends,
-    then the receives waited for one by one.
-
-    Args:
-        group (ProcessGroup): the call's group.
-        rank (int): this rank in ``group``.
-        device (torch.device): where the wire tensors live.
-    """
+    """The wire of one call: receives declared first, then sends, then receives waited for."""
 
     #: whether a peer's data may travel as several messages (chunks)
     chunked = False
@@ -114,23 +83,7 @@ class Transport:
     def expect(
         self, peer: int, numel: int, dtype: torch.dtype, into: torch.Tensor | None = None
     ) -> int:
-        r"""
-        expect(peer: int, numel: int, dtype: torch.dtype, into: Tensor | None = None) -> int
-
-        Declares a receive of ``numel`` wire elements from ``peer``; all
-        receives of a call share one dtype.
-
-        Args:
-            peer (int): the sending rank.
-            numel (int): wire elements.
-            dtype (torch.dtype): the wire dtype.
-            into (Tensor, optional): a contiguous tensor of ``numel``
-                elements to receive into, where the transport can.
-                Default: ``None`` (a shared buffer).
-
-        Returns:
-            int: the receive's handle for :meth:`received`.
-        """
+        """Declares a receive from ``peer`` (into ``into`` where it can); returns its handle."""
         self._dtype = dtype
         self._recvs.append((peer, self._end, numel, into))
         self._end += _aligned(numel, dtype)
@@ -141,50 +94,21 @@ class Transport:
         return self._buffer
 
     def start(self) -> None:
-        r"""
-        start() -> None
-
-        Posts the declared receives where the backend allows it before any send.
-        """
+        """Posts the declared receives, where the backend allows it before any send."""
 
     def send(self, peer: int, wire: torch.Tensor) -> None:
-        r"""
-        send(peer: int, wire: Tensor) -> None
-
-        Sends a contiguous 1-D wire tensor to ``peer``; it must stay unchanged
-        until :meth:`close`.
-
-        Args:
-            peer (int): the receiving rank.
-            wire (Tensor): 1-D contiguous.
-        """
+        """Sends a contiguous 1-D wire to ``peer``; it must stay unchanged until :meth:`close`."""
         self._dtype = wire.dtype
         self._sends.append((peer, wire))
 
     def flush(self) -> None:
-        r"""
-        flush() -> None
-
-        Called after the last send: a transport that sends everything at
-        once does it here.
-        """
+        """Called after the last send: a transport that sends everything at once does it here."""
 
     def _wait_for(self, handle: int) -> None:
         raise NotImplementedError
 
     def received(self, handle: int) -> torch.Tensor:
-        r"""
-        received(handle: int) -> Tensor
-
-        Waits for a declared receive and returns its wire: the ``into``
-        tensor, or a view of a buffer that :meth:`close` hands back for reuse.
-
-        Args:
-            handle (int): from :meth:`expect`.
-
-        Returns:
-            Tensor: 1-D, the declared size.
-        """
+        """Waits for a receive; returns its wire: ``into``, or a view of the shared buffer."""
         self._wait_for(handle)
         _, offset, numel, into = self._recvs[handle]
         if into is not None:
@@ -194,90 +118,34 @@ class Transport:
         return self._buffer[offset : offset + numel]
 
     def close(self) -> None:
-        r"""
-        close() -> None
-
-        Waits for every send and gives the receive buffer back for reuse.
-        """
+        """Waits for every send and gives the receive buffer back for reuse."""
         self._sends.clear()
         if self._buffer is not None:
             _buffers.give(self._buffer)
             self._buffer = None
 
     def abandon(self) -> None:
-        r"""
-        abandon() -> None
-
-        Gives up on a call that failed half-way, without waiting: its posted
-        messages keep their memory, and its tag is never used again.
-        """
+        """Gives up on a failed call without waiting; its messages keep their memory."""
         _abandoned.append(self)
         del _abandoned[:-_KEEP_ABANDONED]
 
     def forget(self, peer: int) -> None:
-        r"""
-        forget(peer: int) -> None
-
-        Stops waiting for what was sent to ``peer``, which takes no further
-        part in the call (it failed, or disagrees).
-
-        Args:
-            peer (int): the other rank.
-        """
+        """Stops waiting for what was sent to ``peer``, which takes no further part in the call."""
 
     def expect_control(self, peer: int) -> Any:
-        r"""
-        expect_control(peer: int) -> Any
-
-        Posts the receive of a header or trailer from ``peer`` (only where
-        :attr:`checked`).
-
-        Args:
-            peer (int): the sending rank.
-
-        Returns:
-            Any: the handle for :meth:`control`.
-        """
+        """Posts the receive of a header or trailer from ``peer`` (only where :attr:`checked`)."""
         raise NotImplementedError
 
     def send_control(self, peer: int, blob: torch.Tensor) -> None:
-        r"""
-        send_control(peer: int, blob: Tensor) -> None
-
-        Sends a header or trailer to ``peer`` (only where :attr:`checked`).
-
-        Args:
-            peer (int): the receiving rank.
-            blob (Tensor): :data:`~qcomm.collectives._header.SIZE` bytes.
-        """
+        """Sends a header or trailer to ``peer`` (only where :attr:`checked`)."""
         raise NotImplementedError
 
     def control(self, handle: Any) -> torch.Tensor:
-        r"""
-        control(handle: Any) -> Tensor
-
-        Waits for a header or trailer posted with :meth:`expect_control`.
-
-        Args:
-            handle (Any): from :meth:`expect_control`.
-
-        Returns:
-            Tensor: its bytes.
-        """
+        """Waits for a header or trailer posted with :meth:`expect_control`."""
         raise NotImplementedError
 
     def fail(self, call: str, error: BaseException, peers: list[int]) -> None:
-        r"""
-        fail(call: str, error: BaseException, peers: list[int]) -> None
-
-        Tells ``peers`` that this rank cannot take part in the call, where
-        the transport can, and abandons it.
-
-        Args:
-            call (str): the collective and pass.
-            error (BaseException): why.
-            peers (list[int]): the other ranks.
-        """
+        """Tells ``peers`` (where it can) that this rank cannot take part, and abandons the call."""
         if self.checked and not self.announced:
             blob = _header.fail(call, error).pack()
             for peer in peers:
@@ -286,9 +154,7 @@ class Transport:
 
 
 class PointToPoint(Transport):
-    r"""
-    Each receive and each send its own message, receives posted first (gloo).
-    """
+    """Each receive and each send its own message, receives posted first (gloo)."""
 
     chunked = True
     checked = True
@@ -317,6 +183,7 @@ class PointToPoint(Transport):
         self._forgotten.add(peer)
 
     def control(self, handle: Any) -> torch.Tensor:
+        blob: torch.Tensor
         blob, work = self._control_recv[handle]
         if work is not None:
             work.wait()
@@ -360,10 +227,7 @@ class PointToPoint(Transport):
 
 
 class OneAllToAll(Transport):
-    r"""
-    One all-to-all of the backend per call, at most one send and one receive
-    per peer (NCCL and other backends).
-    """
+    """One all-to-all of the backend per call, at most one send and one receive per peer."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
         super().__init__(group, rank, device)

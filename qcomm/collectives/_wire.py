@@ -1,8 +1,8 @@
-r"""
+"""
 The codec calls every collective shares, each checked against the contract:
-an encoded tensor of the wrong size, dtype or device, or a decoded one of the
-wrong length, raises :class:`~qcomm.CodecError` naming the codec before
-anything is sent or used; so does a codec that raises.
+a wire of the wrong size, dtype or device, a decoded tensor of the wrong
+length, or a codec that raises, raises :class:`~qcomm.CodecError` naming the
+codec before anything is sent or used.
 """
 
 from __future__ import annotations
@@ -36,21 +36,7 @@ def _guard(codec: Any, what: str, fn: Callable[[], T]) -> T:
 
 
 def wire_dtype(codec: Any) -> torch.dtype:
-    r"""
-    wire_dtype(codec: Any) -> torch.dtype
-
-    The codec's ``quantized_dtype``, read as a property or (TorchRec's no-op
-    codec) called as a method.
-
-    Args:
-        codec (Any): the codec.
-
-    Returns:
-        torch.dtype: the dtype of its wire tensors.
-
-    Raises:
-        CodecError: if it is not a ``torch.dtype``.
-    """
+    """The codec's ``quantized_dtype``, a property or (TorchRec's no-op codec) a method."""
     dtype = read_quantized_dtype(codec)
     if not isinstance(dtype, torch.dtype):
         raise CodecError(
@@ -60,43 +46,14 @@ def wire_dtype(codec: Any) -> torch.dtype:
 
 
 def encodable(x: torch.Tensor, codec: Any) -> torch.Tensor:
-    r"""
-    encodable(x: Tensor, codec: Any) -> Tensor
-
-    What ``encode`` is given: ``x`` itself when it is float32 or already of
-    the wire dtype, else ``x`` converted to float32 (the dtype codecs are
-    written for).
-
-    Args:
-        x (Tensor): the data to send.
-        codec (Any): the codec that will encode it.
-
-    Returns:
-        Tensor: ``x`` or its float32 copy.
-    """
+    """What ``encode`` is given: ``x`` if float32 or of the wire dtype, else ``x`` as float32."""
     if x.dtype in (torch.float32, wire_dtype(codec)):
         return x
     return x.float()
 
 
 def quantized_sizes(codec: Any, ctx: Any, lengths: list[int]) -> list[int]:
-    r"""
-    quantized_sizes(codec: Any, ctx: Any, lengths: list[int]) -> list[int]
-
-    The wire size of each length, from ``calc_quantized_size``.
-
-    Args:
-        codec (Any): the codec.
-        ctx (Any): the call's context.
-        lengths (list[int]): input lengths.
-
-    Returns:
-        list[int]: wire elements for each length.
-
-    Raises:
-        CodecError: if the codec fails or answers something else than a
-            non-negative int.
-    """
+    """The wire size of each length, from ``calc_quantized_size``."""
     sizes = []
     for n in lengths:
         size = _guard(
@@ -119,31 +76,13 @@ def padded_lengths(
     device: torch.device,
     probe: torch.Tensor | None = None,
 ) -> list[int]:
-    r"""
-    padded_lengths(codec: Any, ctx: Any, lengths: list[int], index: int, device: torch.device, probe: Tensor | None = None) -> list[int]
-
+    """
     The codec's padded width for every entry of ``lengths``.
 
-    ``padded_size`` is asked once about entry ``index`` and is expected to
-    record every entry's width in ``ctx.padded_dim_sum_per_rank``; a codec
-    whose context does not record them is asked about each entry in turn.
-    The padding of an entry must depend on its width alone, so that sender
-    and receiver, each asking with their own context, agree.
-
-    Args:
-        codec (Any): the codec.
-        ctx (Any): the call's context.
-        lengths (list[int]): the widths (``dim_per_rank`` of ``padded_size``).
-        index (int): the entry asked about (``my_rank``).
-        device (torch.device): where empty probes are made.
-        probe (Tensor, optional): the ``[rows, lengths[index]]`` input to show
-            the codec. Default: ``None`` (an empty one).
-
-    Returns:
-        list[int]: the padded widths.
-
-    Raises:
-        CodecError: if the codec fails, answers inconsistently or shrinks a width.
+    ``padded_size`` is asked about entry ``index`` and may record every entry's
+    width in ``ctx.padded_dim_sum_per_rank``; else it is asked about each. An
+    entry's padding must depend on its width alone, so that sender and receiver,
+    each asking with their own context, agree.
     """
 
     def ask(i: int, tensor: torch.Tensor) -> int:
@@ -202,8 +141,7 @@ def checked_encode(
 def checked_decode(
     codec: Any, ctx: Any, wire: torch.Tensor, length: int, into: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``codec.decode(wire, ctx)`` as 1-D, checked to be ``length`` elements; with
-    ``into``, ``codec.decode_into(wire, into, ctx)`` instead, returning ``into``."""
+    """``codec.decode`` (or ``decode_into`` ``into``) as 1-D, checked to be ``length`` elements."""
     if length == 0 and wire.numel() == 0:
         return wire.new_empty(0, dtype=torch.float32)
     if wire.storage_offset() * wire.element_size() % 4:

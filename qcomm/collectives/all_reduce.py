@@ -1,26 +1,9 @@
 r"""
-The all-reduce of a flat buffer with codecs: an encoded reduce-scatter, then
-an encoded all-gather of the reduced shards, what the DDP communication hook
-(:func:`~qcomm.ddp_comm_hook`) runs on every gradient bucket.
-
-The buffer is cut into one block per rank. Every rank sends its block
-:math:`r` to rank :math:`r` encoded with the reduce-scatter codec; rank
-:math:`r` adds what it decodes to its own block in float32 (in a fixed
-order), divides by the world size when asked, encodes that shard once with
-the all-gather codec and sends the same wire to every peer, which decodes it
-in place. The owner of a shard takes the values its peers decode, not its
-exact sum (it decodes its own wire): every rank ends with the same bits,
-which data-parallel replicas need.
-
-Both steps are exchanges of the other collectives (see :doc:`collectives`):
-chunks are encoded, sent, received and decoded one after the other, and
-receives are posted before sends, so both directions of every link carry
-data at once.
-
-*Error feedback* keeps what each encoding lost and adds it to what the same
-place sends on the next call (:class:`Residuals`): the reduce-scatter's
-residual of every block a rank sends, the all-gather's residual of the shard
-it owns.
+The all-reduce of a flat buffer with codecs, which the DDP communication hook
+(:func:`~qcomm.ddp_comm_hook`) runs on every gradient bucket: an encoded
+reduce-scatter, then an encoded all-gather, on the exchange of the other
+collectives. See :doc:`ddp` for the steps, their error bound and error
+feedback.
 """
 
 from __future__ import annotations
@@ -51,16 +34,13 @@ _MAX_GRANULE = 4096
 @dataclasses.dataclass
 class Residuals:
     r"""
-    What the codecs lost on one buffer, added back on the next call
-    (error feedback).
-
-    Both start empty; :func:`all_reduce` fills them with zeros of the right
-    size on first use and overwrites them on every call.
+    What the codecs lost on one buffer, added back on the next call (error
+    feedback); :func:`all_reduce` fills empty ones with zeros.
 
     Args:
         scatter (Tensor, optional): float32, as long as the buffer: what the
-            reduce-scatter codec lost of every block this rank sent (zero on
-            the block it keeps). Default: ``None``.
+            reduce-scatter codec lost of every block this rank sent.
+            Default: ``None``.
         gather (Tensor, optional): float32, as long as this rank's block:
             what the all-gather codec lost of its shard. Default: ``None``.
     """
@@ -73,9 +53,9 @@ def granule(*codecs: Any) -> int:
     r"""
     granule(*codecs: Any) -> int
 
-    The block alignment the layout asks for: a multiple of every codec's
-    :attr:`~qcomm.CodecInfo.error_block`, so that only the last block needs
-    padding (``1`` when one declares none, or the multiple is too long).
+    The block alignment that :func:`layout` takes: the least common multiple
+    of the codecs' :attr:`~qcomm.CodecInfo.error_block`, so that only the
+    last block pads (``1`` when none declares one, or it is over 4096).
 
     Args:
         *codecs (Any): the codecs.
@@ -101,8 +81,8 @@ def layout(numel: int, world: int, granule: int) -> list[int]:
     r"""
     layout(numel: int, world: int, granule: int) -> list[int]
 
-    Where each rank's block of a buffer starts: blocks start at multiples of
-    ``granule``, and the last ones may be shorter, or empty.
+    Where each rank's block of a buffer starts: at multiples of ``granule``;
+    the last blocks may be shorter, or empty.
 
     Args:
         numel (int): elements of the buffer.
@@ -139,7 +119,7 @@ class _Sink:
 
 
 class _Tap:
-    """The codec, noting each chunk it encodes; :meth:`drain` decodes them into the sinks."""
+    """The codec, keeping each chunk it encodes for :meth:`drain` to decode into the sinks."""
 
     def __init__(self, codec: Any) -> None:
         self._codec = codec
@@ -161,13 +141,11 @@ class _Tap:
         self._encoded.clear()
 
     def encode(self, input_tensor: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
-        """Encodes as the codec does and keeps the chunk and its wire for :meth:`drain`."""
-        wire = self._codec.encode(input_tensor, ctx)
+        wire: torch.Tensor = self._codec.encode(input_tensor, ctx)
         self._encoded.append((input_tensor, wire, ctx))
         return wire
 
     def _into(self, out: torch.Tensor) -> bool:
-        """Whether the codec can decode straight into ``out``."""
         return out.dtype == torch.float32 and getattr(self._codec, "decode_into", None) is not None
 
     def drain(self) -> None:
@@ -211,7 +189,6 @@ _TAPS = 16
 
 
 def _tap(codec: Any) -> _Tap:
-    """The kept tap of ``codec``."""
     found = _taps.get(id(codec))
     if found is None or found[0] is not codec:
         found = _taps[id(codec)] = (codec, _Tap(codec))
@@ -227,7 +204,7 @@ def _identity(codec: Any, dtype: torch.dtype) -> bool:
 
 
 def _check_residuals(residuals: Residuals, numel: int, own: int, device: torch.device) -> None:
-    """Fills in empty residuals with zeros and checks the others' sizes."""
+    """Fills in empty residuals with zeros and checks the others."""
     for name, size in (("scatter", numel), ("gather", own)):
         value = getattr(residuals, name)
         if value is None:
@@ -261,19 +238,10 @@ def all_reduce(
     Sums (or averages) a 1-D buffer over the ranks in place: an encoded
     reduce-scatter, then an encoded all-gather.
 
-    Every rank ends with the same values. Each element is off the exact sum
-    by at most what the reduce-scatter codec's bound allows for every
-    peer's value, plus what the all-gather codec's bound allows for the sum
-    (see :class:`~qcomm.CodecInfo`); a rank's own values reach its block
-    unencoded. Sums are taken in float32 (at least) after decoding, in a
-    fixed order.
-
-    With ``residuals`` (error feedback) what each codec lost of what this
-    rank sent is kept there and added to what it sends from the same place
-    on the next call, so that over many calls the errors cancel instead of
-    adding up. A call's own result may then be off by the residual it
-    carried in as well (twice the bound at most); the sum of the results of
-    many calls stays within one call's bound of the exact sum.
+    Every rank ends with the same values, each off the exact sum by at most
+    what the codecs' bounds allow (see :class:`~qcomm.CodecInfo` and
+    :doc:`ddp`). With ``residuals``, what each codec lost is added to what
+    this rank sends from the same place on the next call (error feedback).
 
     .. note::
         Every rank of ``group`` must make the same calls, in the same order,
@@ -292,25 +260,23 @@ def all_reduce(
         average (bool, optional): divide the sum by the world size.
             Default: ``False``.
         residuals (Residuals, optional): error feedback state of this buffer,
-            filled in on first use and emptied when a call fails (left empty
-            when both codecs are the no-op codec: nothing is lost).
-            Default: ``None`` (no error feedback).
-        chunk_bytes (int, optional): the exchanges' chunk size (see
-            :doc:`collectives`). Default: ``None`` (automatic).
+            filled in on first use, emptied when a call fails and left empty
+            when both codecs are the no-op codec. Default: ``None`` (no error
+            feedback).
+        chunk_bytes (int, optional): the exchanges' chunk size, as for the
+            collectives. Default: ``None`` (automatic).
 
     Returns:
         Tensor: ``buffer``, holding the result.
 
     Raises:
-        TypeError: if ``buffer`` is not a floating-point tensor, a codec does
-            not follow the contract, or an option has the wrong type.
+        TypeError: if an argument has the wrong type, or a codec does not
+            follow the contract.
         ValueError: if ``buffer`` is not 1-D and contiguous, ``chunk_bytes``
             is not positive, or ``residuals`` does not fit the buffer.
-        CodecError: if a codec breaks its contract or cannot run here, or
-            the ranks' calls disagree (caught with ``QCOMM_VERIFY=1``, which
-            checks every call with a header per pair; unchecked, ranks whose
-            buckets or codecs differ exchange garbage or abort, as with any
-            collective).
+        CodecError: if a codec fails or breaks its contract, or (with
+            ``QCOMM_VERIFY=1``) the ranks' calls disagree; unchecked, such
+            ranks exchange garbage or abort, as with any collective.
 
     Examples::
 
@@ -378,7 +344,6 @@ class _Call:
         self.transports: list[Transport] = []
 
     def block(self, r: int) -> torch.Tensor:
-        """Rank ``r``'s block of the buffer."""
         return self.buffer[self.bounds[r] : self.bounds[r + 1]]
 
     def _open(self) -> Transport:

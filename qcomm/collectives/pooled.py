@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from qcomm.awaitable import Awaitable
+from qcomm.collectives._agreement import Agreement
 from qcomm.collectives._args import (
     check_chunk_bytes,
     check_flag,
@@ -24,7 +25,6 @@ from qcomm.collectives._buffers import lease
 from qcomm.collectives._call import Call, begin
 from qcomm.collectives._exchange import Rows, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
-from qcomm.collectives._verify import Agreement
 from qcomm.collectives._wire import padded_lengths
 from qcomm.types import CommOp
 
@@ -42,7 +42,7 @@ def all_to_all_pooled(
     chunk_bytes: int | None = None,
 ) -> Awaitable[torch.Tensor]:
     r"""
-    all_to_all_pooled(input, batch_size_per_rank, dim_sum_per_rank, *, group=None, codecs=None, gradient_division=False) -> Awaitable[Tensor]
+    all_to_all_pooled(input, batch_size_per_rank, dim_sum_per_rank, *, group=None, codecs=None, gradient_division=False, chunk_bytes=None) -> Awaitable[Tensor]
 
     All-to-all of pooled embeddings, encoded with a codec on each pass.
 
@@ -52,32 +52,11 @@ def all_to_all_pooled(
     :math:`B_r` = ``batch_size_per_rank[r]`` and :math:`D_r` =
     ``dim_sum_per_rank[r]``, the input on rank :math:`k` is
     :math:`[\sum_r B_r, D_k]` and the output is :math:`[B_k, \sum_r D_r]`.
+    Each rank's columns are padded to what the codec's
+    :meth:`~qcomm.QuantizedCommCodec.padded_size` asks for, on both passes,
+    and the padding is stripped after decoding.
 
-    The communication starts at once; the result is decoded and laid out on
-    :meth:`~qcomm.Awaitable.wait`. The forward codec pads each rank's columns
-    to what its :meth:`~qcomm.QuantizedCommCodec.padded_size` asks for, every
-    destination's block is encoded on its own, and the padding is stripped
-    after decoding. The output is differentiable: its gradient goes back
-    through the inverse all-to-all, padded and encoded the same way with the
-    backward codec.
-
-    .. note::
-        Every rank of ``group`` must make the same sequence of calls with the
-        same ``batch_size_per_rank``, ``dim_sum_per_rank`` and codecs, and
-        must run the backward pass if any rank does.
-
-        The first call of each collective on each group checks that the
-        ranks agree, and a rank whose arguments are invalid makes the
-        others raise :class:`~qcomm.CodecError` naming it instead of
-        waiting; ``QCOMM_VERIFY=1`` checks every call (on gloo with a
-        header per pair, which also catches wire sizes and a codec failing
-        on one rank), ``QCOMM_VERIFY=0`` none; the same setting on all
-        ranks. See the collectives page, "Mistakes and failures".
-
-    .. warning::
-        With a codec that returns its input (the no-op codec), the input's
-        memory is sent as it is: do not modify ``input`` in place before
-        :meth:`~qcomm.Awaitable.wait`.
+    See :mod:`qcomm.collectives` for what all three collectives share.
 
     Args:
         input (Tensor): ``[sum(batch_size_per_rank), dim_sum_per_rank[rank]]``
@@ -87,27 +66,24 @@ def all_to_all_pooled(
         group (ProcessGroup, optional): the process group. Default: ``None``
             (the default group).
         codecs (QuantizedCommCodecs, optional): the forward and backward
-            codecs. Default: ``None`` (no-op codecs; the data travels in its
+            codecs. Default: ``None`` (no-op codecs: the data travels in its
             own dtype).
         gradient_division (bool, optional): divide the input's gradient by
-            the world size, as TorchRec does by default. Default: ``False``
-            (the true gradient).
+            the world size, as TorchRec does by default. Default: ``False``.
+        chunk_bytes (int, optional): the pipeline's chunk size in float32
+            bytes. Default: ``None`` (automatic).
 
     Returns:
         Awaitable[Tensor]: the ``[batch_size_per_rank[rank], sum(dim_sum_per_rank)]``
-        output, in ``input``'s dtype, after :meth:`~qcomm.Awaitable.wait`.
+        output, in ``input``'s dtype.
 
     Raises:
-        TypeError: if ``input`` is not a floating-point tensor, a split list
-            holds something other than ints, or a codec does not follow the
-            contract.
+        TypeError: if an argument has the wrong type, or a codec does not
+            follow the contract.
         ValueError: if shapes and split lists disagree, or the device does not
             suit the backend.
-        CodecError: if a codec breaks its contract (e.g. an encoded size
-            differing from ``calc_quantized_size``) or cannot run on the
-            device, or the ranks disagree on ``batch_size_per_rank``,
-            ``dim_sum_per_rank`` or the codecs, or another rank's arguments
-            are invalid (see the note).
+        CodecError: if a codec fails or breaks its contract, or the ranks
+            disagree, or another rank's arguments are invalid.
 
     Examples::
 

@@ -1,13 +1,8 @@
 r"""
-The pooled-embedding reduce-scatter: every rank holds partial sums for every
-rank's block and receives the total of its own block (TorchRec's
-``POOLED_EMBEDDINGS_REDUCE_SCATTER``).
-
-Every rank's block for rank :math:`r` travels to :math:`r` encoded, and
-:math:`r` sums what it decodes in float32 (at least) with its own block,
-which never leaves it: the sum of two scaled wire tensors is not the encoding
-of the sum, and even a float16 cast summed by the backend would round every
-partial sum to 16 bits.
+The pooled-embedding reduce-scatter (TorchRec's
+``POOLED_EMBEDDINGS_REDUCE_SCATTER``): every rank holds partial sums for every
+rank's block and receives the total of its own block. Sums are taken after
+decoding, never on the wire (docs/collectives.rst says why).
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from qcomm.awaitable import Awaitable
+from qcomm.collectives._agreement import Agreement
 from qcomm.collectives._args import (
     check_chunk_bytes,
     check_flag,
@@ -31,7 +27,6 @@ from qcomm.collectives._buffers import lease
 from qcomm.collectives._call import Call, begin
 from qcomm.collectives._exchange import Flat, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
-from qcomm.collectives._verify import Agreement
 from qcomm.collectives._wire import padded_lengths
 from qcomm.types import CommOp
 
@@ -48,7 +43,7 @@ def reduce_scatter_pooled(
     chunk_bytes: int | None = None,
 ) -> Awaitable[torch.Tensor]:
     r"""
-    reduce_scatter_pooled(input, *, input_splits=None, group=None, codecs=None, gradient_division=False) -> Awaitable[Tensor]
+    reduce_scatter_pooled(input, *, input_splits=None, group=None, codecs=None, gradient_division=False, chunk_bytes=None) -> Awaitable[Tensor]
 
     Reduce-scatter of pooled embeddings along dim 0, encoded with a codec on
     each pass.
@@ -62,31 +57,13 @@ def reduce_scatter_pooled(
         \text{output}_r = \sum_{k} \text{input}^{(k)}_{[o_r, o_r + s_r)}, \quad
         o_r = \sum_{j < r} s_j
 
-    A codec whose :class:`~qcomm.CodecInfo` says ``summable`` is summed by
-    the backend in its wire dtype; any other codec's blocks travel through an
-    all-to-all and are summed in float32 after decoding. Each block is padded
-    at its end to what the codec's
+    Every block travels encoded and is summed after decoding, in float32 (at
+    least) and in a fixed order; a rank's own block is not encoded. Each
+    block is padded at its end to what the codec's
     :meth:`~qcomm.QuantizedCommCodec.padded_size` asks for (the block seen as
-    one row) and the padding is stripped after decoding. The gradient goes
-    back through an all-gather encoded with the backward codec.
+    one row). The gradient goes back through an all-gather.
 
-    .. note::
-        Every rank of ``group`` must make the same sequence of calls with the
-        same ``input_splits``, trailing shape and codecs, and must run the
-        backward pass if any rank does.
-
-        The first call of each collective on each group checks that the
-        ranks agree, and a rank whose arguments are invalid makes the
-        others raise :class:`~qcomm.CodecError` naming it instead of
-        waiting; ``QCOMM_VERIFY=1`` checks every call (on gloo with a
-        header per pair, which also catches wire sizes and a codec failing
-        on one rank), ``QCOMM_VERIFY=0`` none; the same setting on all
-        ranks. See the collectives page, "Mistakes and failures".
-
-    .. warning::
-        With a codec that returns its input (the no-op codec), the input's
-        memory is sent as it is: do not modify ``input`` in place before
-        :meth:`~qcomm.Awaitable.wait`.
+    See :mod:`qcomm.collectives` for what all three collectives share.
 
     Args:
         input (Tensor): ``[sum(input_splits), ...]`` floating-point partial sums.
@@ -95,26 +72,24 @@ def reduce_scatter_pooled(
         group (ProcessGroup, optional): the process group. Default: ``None``
             (the default group).
         codecs (QuantizedCommCodecs, optional): the forward and backward
-            codecs. Default: ``None`` (no-op codecs; the data travels in its
+            codecs. Default: ``None`` (no-op codecs: the data travels in its
             own dtype).
         gradient_division (bool, optional): divide the input's gradient by
-            the world size, as TorchRec does by default. Default: ``False``
-            (the true gradient).
+            the world size, as TorchRec does by default. Default: ``False``.
+        chunk_bytes (int, optional): the pipeline's chunk size in float32
+            bytes. Default: ``None`` (automatic).
 
     Returns:
         Awaitable[Tensor]: the ``[input_splits[rank], ...]`` sum, in ``input``'s
-        dtype, after :meth:`~qcomm.Awaitable.wait`.
+        dtype.
 
     Raises:
-        TypeError: if ``input`` is not a floating-point tensor, ``input_splits``
-            holds something other than ints, or a codec does not follow the
-            contract.
-        ValueError: if shapes and ``input_splits`` disagree, or the device does
-            not suit the backend.
-        CodecError: if a codec breaks its contract or cannot run on the
-            device, or the ranks disagree on ``input_splits``, the trailing
-            shape or the codecs, or another rank's arguments are invalid
-            (see the note).
+        TypeError: if an argument has the wrong type, or a codec does not
+            follow the contract.
+        ValueError: if shapes and ``input_splits`` disagree, or the device
+            does not suit the backend.
+        CodecError: if a codec fails or breaks its contract, or the ranks
+            disagree, or another rank's arguments are invalid.
 
     Examples::
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from qcomm.awaitable import Awaitable
+from qcomm.collectives._agreement import Agreement
 from qcomm.collectives._args import (
     check_chunk_bytes,
     check_input,
@@ -23,7 +24,6 @@ from qcomm.collectives._buffers import lease
 from qcomm.collectives._call import Call, begin
 from qcomm.collectives._exchange import Flat, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
-from qcomm.collectives._verify import Agreement
 from qcomm.collectives._wire import padded_lengths
 from qcomm.types import CommOp
 
@@ -40,38 +40,19 @@ def all_to_all_sequence(
     chunk_bytes: int | None = None,
 ) -> Awaitable[torch.Tensor]:
     r"""
-    all_to_all_sequence(input, *, input_splits, output_splits, group=None, codecs=None) -> Awaitable[Tensor]
+    all_to_all_sequence(input, *, input_splits, output_splits, group=None, codecs=None, chunk_bytes=None) -> Awaitable[Tensor]
 
     All-to-all of rows (sequence embeddings), encoded with a codec on each pass.
 
     Rank :math:`k` sends ``input_splits[r]`` consecutive rows to rank
     :math:`r`, in rank order; rank :math:`r` receives ``output_splits[k]``
     rows from rank :math:`k`, in rank order, so ``output_splits[k]`` on rank
-    :math:`r` must equal ``input_splits[r]`` on rank :math:`k`.
-
-    Each rank's block is padded at its end to what the codec's
+    :math:`r` must equal ``input_splits[r]`` on rank :math:`k`. Each block is
+    padded at its end to what the codec's
     :meth:`~qcomm.QuantizedCommCodec.padded_size` asks for (the block seen as
-    one row), encoded on its own, and the padding is stripped after decoding.
-    The gradient goes back through the reverse all-to-all encoded with the
-    backward codec.
+    one row). The gradient goes back through the reverse all-to-all.
 
-    .. note::
-        Every rank of ``group`` must make the same sequence of calls with
-        matching splits, the same trailing shape and the same codecs, and
-        must run the backward pass if any rank does.
-
-        The first call of each collective on each group checks that the
-        ranks agree, and a rank whose arguments are invalid makes the
-        others raise :class:`~qcomm.CodecError` naming it instead of
-        waiting; ``QCOMM_VERIFY=1`` checks every call (on gloo with a
-        header per pair, which also catches wire sizes and a codec failing
-        on one rank), ``QCOMM_VERIFY=0`` none; the same setting on all
-        ranks. See the collectives page, "Mistakes and failures".
-
-    .. warning::
-        With a codec that returns its input (the no-op codec), the input's
-        memory is sent as it is: do not modify ``input`` in place before
-        :meth:`~qcomm.Awaitable.wait`.
+    See :mod:`qcomm.collectives` for what all three collectives share.
 
     Args:
         input (Tensor): ``[sum(input_splits), D]`` floating-point rows (any
@@ -81,23 +62,23 @@ def all_to_all_sequence(
         group (ProcessGroup, optional): the process group. Default: ``None``
             (the default group).
         codecs (QuantizedCommCodecs, optional): the forward and backward
-            codecs. Default: ``None`` (no-op codecs; the data travels in its
+            codecs. Default: ``None`` (no-op codecs: the data travels in its
             own dtype).
+        chunk_bytes (int, optional): the pipeline's chunk size in float32
+            bytes. Default: ``None`` (automatic).
 
     Returns:
         Awaitable[Tensor]: the ``[sum(output_splits), D]`` rows, in ``input``'s
-        dtype, after :meth:`~qcomm.Awaitable.wait`.
+        dtype.
 
     Raises:
-        TypeError: if ``input`` is not a floating-point tensor, a split list
-            holds something other than ints, or a codec does not follow the
-            contract.
+        TypeError: if an argument has the wrong type, or a codec does not
+            follow the contract.
         ValueError: if shapes and split lists disagree, or the device does not
             suit the backend.
-        CodecError: if a codec breaks its contract or cannot run on the
-            device, or the ranks' splits do not match, or they disagree on the
-            trailing shape or the codecs, or another rank's arguments are
-            invalid (see the note).
+        CodecError: if a codec fails or breaks its contract, the ranks' splits
+            do not mirror each other, the ranks disagree otherwise, or another
+            rank's arguments are invalid.
 
     Examples::
 

@@ -30,10 +30,11 @@ def test_wire_format():
     codec = ScaledFP16Codec(block_size=2)
     x = torch.tensor([3.0, -1.0, 2.0**20, 0.0, 0.75])
     wire = codec.encode(x)
-    # Block maxima 3, 2**20, 0.75 are scaled into [2**14, 2**15).
-    expected = [-13.0, 3 * 2**13, -(2**13), 6.0, 2**14, 0.0, -15.0, 0.75 * 2**15]
+    # Block maxima 3, 2**20, 0.75 are scaled into [2**14, 2**15); the last
+    # block is padded with a zero, and decoded whole.
+    expected = [-13.0, 3 * 2**13, -(2**13), 6.0, 2**14, 0.0, -15.0, 0.75 * 2**15, 0.0]
     assert wire.tolist() == expected
-    assert torch.equal(codec.decode(wire), x)
+    assert torch.equal(codec.decode(wire), torch.cat([x, torch.zeros(1)]))
 
 
 def test_keeps_the_float32_range_that_plain_fp16_loses():
@@ -54,18 +55,21 @@ def test_non_finite_values_propagate_and_spare_their_block():
 
 
 def test_errors_name_the_argument():
+    # The base class checks the arguments and names them.
     codec = ScaledFP16Codec(block_size=4)
-    with pytest.raises(ValueError, match="block_size must be between 1 and 65536, got 0"):
+    with pytest.raises(ValueError, match="block_size must be an int from 1 to 65536, got 0"):
         ScaledFP16Codec(block_size=0)
-    with pytest.raises(ValueError, match="block_size must be between 1 and 65536, got 4294967296"):
+    with pytest.raises(
+        ValueError, match="block_size must be an int from 1 to 65536, got 4294967296"
+    ):
         ScaledFP16Codec(block_size=2**32)
-    with pytest.raises(ValueError, match="block_size must be a positive int, got 2.0"):
+    with pytest.raises(TypeError, match="block_size must be a positive int, got float 2.0"):
         ScaledFP16Codec(block_size=2.0)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="input_tensor must be floating-point"):
+    with pytest.raises(TypeError, match="input_tensor must be a floating-point tensor"):
         codec.encode(torch.arange(3))
-    with pytest.raises(TypeError, match="input_grad must be a float16"):
+    with pytest.raises(ValueError, match="input_grad must have dtype torch.float16"):
         codec.decode(torch.zeros(5))
-    with pytest.raises(ValueError, match="6 words, which is no wire length"):
+    with pytest.raises(ValueError, match="length must be a multiple of 5"):
         codec.decode(torch.zeros(6, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"must be \[batch, 4\]"):
         codec.padded_size(torch.zeros(2, 3), [4, 4], 0, codec.create_context())

@@ -1,10 +1,9 @@
 r"""
-pytest setup of the benchmark suites: collects ``bench_*.py`` files (pytest
-only looks at ``test_*.py`` by default) and prints the codec speed ratios
-(qcomm against fbgemm-gpu, measured in the same run) after the tables of
-pytest-benchmark.
+pytest setup of the micro-benchmarks (pytest-benchmark timings of single
+calls): collects ``bench_*.py`` files and prints the codec speed ratios
+(qcomm against fbgemm-gpu, same run) after pytest-benchmark's tables.
 
-Run: ``pytest bench/ --benchmark-only``.
+Run: ``pytest microbench/ --benchmark-only``.
 """
 
 from __future__ import annotations
@@ -35,21 +34,13 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Mod
 
 @pytest.fixture(scope="session")
 def bench_results(request: pytest.FixtureRequest) -> Results:
-    r"""
-    bench_results() -> dict
-
-    Where the codec benchmarks record their timings for the ratio summary.
-    """
+    """Where the codec benchmarks record their timings for the ratio summary."""
     return request.config.stash.setdefault(_RESULTS, {})
 
 
 @pytest.fixture(scope="session")
 def bench_notes(request: pytest.FixtureRequest) -> list[str]:
-    r"""
-    bench_notes() -> list[str]
-
-    Lines printed under the ratio summary (what was measured against what).
-    """
+    """Lines printed under the ratio summary (what was measured against what)."""
     return request.config.stash.setdefault(_NOTES, [])
 
 

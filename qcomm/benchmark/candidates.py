@@ -1,16 +1,11 @@
 r"""
-The codecs ``qcomm bench`` measures, and what it measures of each on its own:
-encode and decode time, wire size and error.
+The codecs of a ``qcomm bench`` run (:class:`Candidate`: qcomm's from the
+entry points, and fbgemm-gpu's codec of the same format where it is
+importable) and what is measured of each on its own (:func:`measure_codec`).
 
-qcomm's codecs come from the entry points (:func:`~qcomm.load_codec`); by
-default every discovered codec but those of example or test distributions
-(a distribution whose name has a part ``example`` or ``test``, such as
-``qcomm-example-codec``), which run only when named. Where fbgemm-gpu is
-importable, its ``QuantizedCommCodec`` of the same format is measured beside
-each, labelled ``fbgemm:<format>``. fbgemm runs with its own defaults (e.g.
-int8 rows of 32 elements), whatever options the qcomm spec has; its FP8
-codec on CPU is the tensor-wise one, which takes 2-D input only, so it sees
-its data as rows of 32.
+fbgemm runs with its own defaults (e.g. int8 rows of 32 elements), whatever
+options the qcomm spec has; its FP8 codec on CPU is the tensor-wise one,
+which takes 2-D input only, so it sees its data as rows of 32.
 """
 
 from __future__ import annotations
@@ -25,7 +20,8 @@ import torch
 
 from qcomm.benchmark.metrics import error_stats
 from qcomm.benchmark.timing import time_samples
-from qcomm.registry import codec_entries, load_codec, parse_codec_spec
+from qcomm.discovery import codec_entries, load_codec
+from qcomm.specs import parse_codec_spec
 from qcomm.types import CodecError, codec_info, read_quantized_dtype
 
 __all__ = [
@@ -36,10 +32,9 @@ __all__ = [
     "measure_codec",
 ]
 
-# qcomm codec name -> fbgemm SparseType member of the same format. fbgemm's
-# FP8 without a row dim (TorchRec's default) is the unscaled 1-4-3 format of
-# bias 15 that fp8_e4m3_tensor reproduces bit for bit.
-#: fbgemm format of each built-in codec name, for the side-by-side rows
+# fbgemm's FP8 without a row dim (TorchRec's default) is the unscaled 1-4-3
+# format of bias 15 that fp8_e4m3_tensor reproduces bit for bit.
+#: fbgemm ``SparseType`` of the same format as each built-in codec name
 FBGEMM_FORMATS = {
     "fp16": "FP16",
     "bf16": "BF16",
@@ -52,7 +47,7 @@ FBGEMM_FORMATS = {
 @dataclasses.dataclass
 class Candidate:
     r"""
-    One codec of the run, loaded or not.
+    One codec of the run, loaded or not: a row of the report.
 
     Args:
         label (str): how the report names it: the spec (``"int8:row_dim=64"``)
@@ -69,9 +64,8 @@ class Candidate:
 
 
 class _RowsOf:
-    # A codec that takes 2-D input only (fbgemm's tensor-wise FP8), shown any
-    # data as rows of `width` elements (one row when the length is not a
-    # multiple), giving 1-D wire and values back.
+    # fbgemm's tensor-wise FP8 takes 2-D input only: it is shown any data as
+    # rows of `width` (one row when the length is not a multiple).
 
     def __init__(self, codec: Any, width: int = 32) -> None:
         self.codec = codec
@@ -110,11 +104,9 @@ def default_codecs() -> list[str]:
     r"""
     default_codecs() -> list[str]
 
-    The codecs a run without ``--codecs`` measures: every discovered one but
-    those whose distribution's name has a part ``example`` or ``test``.
-
-    Returns:
-        list[str]: codec names, sorted.
+    The sorted names of the codecs a run without ``--codecs`` measures:
+    every discovered one but those of a distribution whose name has a part
+    ``example`` or ``test`` (such as ``qcomm-example-codec``).
 
     Examples::
 
@@ -147,20 +139,14 @@ def load_candidates(specs: list[str] | None, fbgemm: bool) -> tuple[list[Candida
     r"""
     load_candidates(specs: list[str] | None, fbgemm: bool) -> tuple[list[Candidate], str | None]
 
-    Builds every codec of the run; one that fails is kept, with its error,
-    so that the report shows it as failed.
+    Builds every codec of the run, qcomm's first; one that fails is kept
+    with its error, a failed row of the report. Returns them and why
+    fbgemm's are missing (``None`` when they are there or not asked for).
 
     Args:
-        specs (list[str] | None): codec specs; ``None`` means
-            :func:`default_codecs`. ``noop`` is put first (added if missing):
-            it is the baseline of every speed-up.
-        fbgemm (bool): also build fbgemm's codec of each format that has one
-            (see :data:`FBGEMM_FORMATS`).
-
-    Returns:
-        tuple[list[Candidate], str | None]: the candidates, qcomm's first,
-        and why fbgemm's are missing (``None`` when they are there or not
-        asked for).
+        specs (list[str] | None): codec specs, ``None`` for :func:`default_codecs`;
+            ``noop``, every speed-up's baseline, comes first (added if missing).
+        fbgemm (bool): also fbgemm's codec of each of :data:`FBGEMM_FORMATS`.
 
     Examples::
 
@@ -202,26 +188,22 @@ def measure_codec(codec: Any, x: torch.Tensor, *, budget: float, max_calls: int)
     r"""
     measure_codec(codec: Any, x: Tensor, *, budget: float, max_calls: int) -> dict[str, Any]
 
-    Encodes and decodes ``x`` with ``codec``: the time of each, the wire size
-    and the error of the round trip against ``x``.
-
-    Every encode gets a fresh context from ``create_context()``, as in a
-    collective; decode reads the context of the encode that made its wire.
+    The time of encoding and decoding the 1-D float32 ``x`` with ``codec``
+    (each encode with a fresh context, as in a collective), the wire size
+    and the round trip's error.
 
     Args:
         codec (Any): a codec following the contract.
-        x (Tensor): the 1-D float32 input.
+        x (Tensor): the input.
         budget (float): seconds of timed calls for each of encode and decode.
-        max_calls (int): timed calls at most for each.
+        max_calls (int): timed calls at most for each (at least 15 are made).
 
     Returns:
-        dict[str, Any]: ``encode_s`` and ``decode_s`` (median seconds per
-        call) with every call's time (``encode_samples_s``,
-        ``decode_samples_s``, at least 15 samples each, see
-        :func:`~qcomm.benchmark.timing.time_samples`), ``wire_dtype``, ``wire_elements``, ``wire_bytes``,
-        ``calc_quantized_size``, ``declared_bits_per_element``, and
-        ``max_rel_error``, ``rms_rel_error``, ``sqnr_db``
-        (see :func:`~qcomm.benchmark.metrics.error_stats`).
+        dict[str, Any]: median seconds ``encode_s``, ``decode_s`` and their
+        ``*_samples_s``, ``wire_dtype``, ``wire_elements``, ``wire_bytes``,
+        ``calc_quantized_size``, ``declared_bits_per_element``,
+        ``max_rel_error``, ``rms_rel_error`` and ``sqnr_db``
+        (:func:`~qcomm.benchmark.metrics.error_stats`).
 
     Raises:
         CodecError: if the wire size disagrees with ``calc_quantized_size``

@@ -4,28 +4,15 @@ what each was asked to do, so that ranks that disagree raise a
 :class:`~qcomm.CodecError` naming the rank and the argument instead of
 exchanging garbage or waiting for each other forever.
 
-Every rank all-gathers (as an all-to-all of copies) one int64 tensor of a size fixed by the world size: a
-header (protocol, collective, whether its own argument checks failed, length
-of its description, its ``QCOMM_VERIFY`` mode), one hash per argument that must be the same on all
-ranks (split lists known to all, trailing shape, each codec's class, repr,
-options, :class:`~qcomm.CodecInfo`, wire dtype and sizes), and this rank's
-per-destination send and receive counts, which must mirror the other ranks'.
-Only when something differs do the ranks all-gather their readable
-descriptions (UTF-8 text, never pickle) to say who differs and how. Both
-steps are collectives of the call's own group, so they run under its
-timeout: a missing rank makes them raise, not hang.
-
-A rank whose own argument checks fail still takes part (when verification is
-due), flagged as failed: it raises its own error and the others raise a
-:class:`~qcomm.CodecError` naming it, instead of waiting for it.
-
-When verification runs is set by the environment variable ``QCOMM_VERIFY``:
-unset or empty, the first call of each collective on each process group; ``1``
-every call; ``0`` never. Every rank must make the same calls in the same
-order for this to line up, which the collectives require anyway, and have the
-same ``QCOMM_VERIFY`` (ranks that differ between unset and ``1`` are told so;
-a rank with ``0`` among others that verify cannot be, and they fall out of
-step until the group's timeout).
+Every rank sends every other one an int64 row of fixed size: a header
+(protocol, collective, whether its own argument checks failed, length of its
+description, its ``QCOMM_VERIFY`` mode), one hash per argument that must be
+alike on all ranks, and its send and receive counts, which must mirror the
+others'. Only when something differs do the ranks exchange readable
+descriptions (UTF-8 JSON, never pickle) for the message. Both exchanges are
+collectives of the call's group, so a missing rank makes them raise under the
+group's timeout rather than hang. When the check runs is set by
+``QCOMM_VERIFY`` (docs/collectives.rst, "Mistakes and failures").
 """
 
 from __future__ import annotations
@@ -39,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives._describe import SEP, describe_codec, hash64
+from qcomm.collectives._describe import describe_codec, hash64
+from qcomm.collectives._disagreement import disagreement, unmatched_splits
 from qcomm.types import CodecError, CommOp
 
 ENV = "QCOMM_VERIFY"
@@ -49,12 +37,7 @@ _PROTOCOL = 2
 _HEADER = 5
 _MODES = ("first", "always")
 _FIELDS = 5
-_CALLS = {
-    CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL: "all_to_all_pooled",
-    CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER: "reduce_scatter_pooled",
-    CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL: "all_to_all_sequence",
-}
-_OPS = list(_CALLS)
+_OPS = list(CommOp)
 # Longest text of one field or error message sent in a description.
 _MAX_TEXT = 1000
 
@@ -62,18 +45,7 @@ _verified: weakref.WeakKeyDictionary[dist.ProcessGroup, set[CommOp]] = weakref.W
 
 
 def mode() -> str:
-    r"""
-    mode() -> str
-
-    When rank agreement is checked, from ``QCOMM_VERIFY``.
-
-    Returns:
-        str: ``"first"`` (unset or empty: the first call of each collective on
-        each group), ``"always"`` (``1``) or ``"never"`` (``0``).
-
-    Raises:
-        ValueError: if ``QCOMM_VERIFY`` holds anything else.
-    """
+    """``"first"`` (unset or empty), ``"always"`` (``1``) or ``"never"`` (``0``), from ``QCOMM_VERIFY``."""
     raw = os.environ.get(ENV, "").strip()
     if raw in ("", "0", "1"):
         return {"": "first", "0": "never", "1": "always"}[raw]
@@ -96,7 +68,8 @@ def _exchange_device(group: dist.ProcessGroup, input: Any) -> torch.device | Non
     nccl_only = "nccl" in backend and "gloo" not in backend
     usable = isinstance(input, torch.Tensor) and input.device.type != "meta"
     if usable and not (nccl_only and input.device.type != "cuda"):
-        return input.device
+        device: torch.device = input.device
+        return device
     if nccl_only:
         # No usable tensor to tell where this rank's GPU is: its current one.
         return (
@@ -105,57 +78,16 @@ def _exchange_device(group: dist.ProcessGroup, input: Any) -> torch.device | Non
     return torch.device("cpu")
 
 
-def _differences(texts: list[str]) -> list[str]:
-    # A codec's description is long; show what tells the versions apart: its
-    # repr when that differs, else its identity and the parts that differ.
-    split = [text.split(SEP) for text in texts]
-    if len({len(parts) for parts in split}) > 1:
-        return texts
-    differ = [i for i in range(len(split[0])) if len({parts[i] for parts in split}) > 1]
-    out = []
-    for parts in split:
-        if len(parts) == 1:
-            out.append(parts[0])
-            continue
-        ident = next((p for p in parts if p.startswith("repr=")), parts[0])
-        picked = [parts[i] for i in differ]
-        if any(p.startswith(("repr=", "class=")) for p in picked):
-            picked = [p for p in picked if p.startswith(("repr=", "class="))]
-        else:
-            picked = [ident, *picked]
-        out.append(" ".join(picked))
-    return out
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
 def _clip(text: str) -> str:
     return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "..."
 
 
 class Agreement:
-    r"""
-    The rank-agreement check of one collective call, used as a context
-    manager around the call's argument checks.
-
-    Inside the ``with`` block the collective records, through :meth:`same`,
-    the arguments that must be identical on every rank and, through
-    :meth:`mirror`, its send and receive counts. On leaving the block, when
-    verification is due, the ranks compare them (see the module docstring);
-    if the block raised, this rank tells the others that it failed and its
-    own exception goes on.
-
-    Args:
-        op (CommOp): the collective.
-        group (ProcessGroup): the call's group.
-        rank (int): this rank in ``group``.
-        world (int): the size of ``group``.
-        input (Any): the call's input, whose device the exchange uses.
-
-    Raises:
-        ValueError: if ``QCOMM_VERIFY`` holds an unknown value.
+    """
+    The agreement check of one call: a context manager around the call's
+    argument checks, which record what must be alike (:meth:`same`) and the
+    split counts (:meth:`mirror`); on exit, when due, the ranks compare them,
+    and a rank whose checks raised tells the others before its error goes on.
     """
 
     def __init__(
@@ -181,29 +113,11 @@ class Agreement:
         self.recvs: list[int] | None = None
 
     def same(self, name: str, value: Any) -> None:
-        r"""
-        same(name: str, value: Any) -> None
-
-        Records an argument that must be the same on every rank.
-
-        Args:
-            name (str): the argument's name, for messages.
-            value (Any): a list of ints, a string, or a codec.
-        """
+        """Records an argument (split list, string or codec) that must be alike on every rank."""
         self.fields[name] = value
 
     def mirror(self, sends: list[int], recvs: list[int]) -> None:
-        r"""
-        mirror(sends: list[int], recvs: list[int]) -> None
-
-        Records what this rank sends to and receives from each rank: what
-        rank :math:`k` sends to rank :math:`r` must be what :math:`r`
-        receives from :math:`k`.
-
-        Args:
-            sends (list[int]): rows for each rank (``input_splits``).
-            recvs (list[int]): rows from each rank (``output_splits``).
-        """
+        """Records the rows sent to and received from each rank (input/output splits)."""
         self.sends, self.recvs = list(sends), list(recvs)
 
     def __enter__(self) -> Agreement:
@@ -282,12 +196,12 @@ class Agreement:
     def _compare(self, table: list[list[int]]) -> str | list[int] | None:
         # Returns a finished message, the indices of hashed fields that
         # differ (to be explained from the descriptions), or None.
-        call = _CALLS[self.op]
+        call = self.op.collective
         if len({row[0] for row in table}) > 1:
             versions = "; ".join(f"rank {r}: {row[0]}" for r, row in enumerate(table))
             return f"{call}: the ranks run qcomm versions with different verification ({versions})"
         if len({row[1] for row in table}) > 1:
-            calls = ", ".join(f"rank {r} {_CALLS[_OPS[row[1]]]}" for r, row in enumerate(table))
+            calls = ", ".join(f"rank {r} {_OPS[row[1]].collective}" for r, row in enumerate(table))
             return f"{call}: the ranks call different collectives at the same time: {calls}"
         if len({row[4] for row in table}) > 1:
             # Ranks that verify on different calls fall out of step; say so
@@ -310,19 +224,7 @@ class Agreement:
             return None
         sends = [row[start : start + self.world] for row in table]
         recvs = [row[start + self.world :] for row in table]
-        wrong = [
-            f"rank {k} sends {sends[k][r]} rows to rank {r} (its input_splits[{r}]) but rank {r} "
-            f"expects {recvs[r][k]} from rank {k} (its output_splits[{k}])"
-            for k in range(self.world)
-            for r in range(self.world)
-            if sends[k][r] != recvs[r][k]
-        ]
-        if not wrong:
-            return None
-        more = f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
-        return (
-            f"{_CALLS[self.op]}: the ranks' split lists do not match: {'; '.join(wrong[:3])}{more}"
-        )
+        return unmatched_splits(self.op.collective, sends, recvs)
 
     def _descriptions(
         self, blob: bytes, lengths: list[int], device: torch.device
@@ -340,29 +242,5 @@ class Agreement:
         return out
 
     def _explain(self, differ: list[int], descriptions: list[dict[str, str]]) -> str:
-        call = _CALLS[self.op]
-        errors = [(r, d["error"]) for r, d in enumerate(descriptions) if "error" in d]
-        if errors:
-            said = "; ".join(f"rank {r}: {text}" for r, text in errors)
-            return (
-                f"{call}: {_ranks([r for r, _ in errors])} rejected the arguments of this call, "
-                f"so it was started on no rank ({said})"
-            )
         names = list(descriptions[self.rank])
-        parts = []
-        for i in differ:
-            name = names[i] if i < len(names) else f"field {i}"
-            groups: dict[str, list[int]] = {}
-            for r, d in enumerate(descriptions):
-                groups.setdefault(d.get(name, "<missing>"), []).append(r)
-            # The largest group (the lowest rank among equals) is the norm;
-            # the others are the ranks that differ.
-            ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
-            odd = sorted(r for _, ranks in ordered[1:] for r in ranks)
-            shown = _differences([text for text, _ in ordered])
-            held = "; ".join(
-                f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {text}"
-                for text, (_, ranks) in reversed(list(zip(shown, ordered)))
-            )
-            parts.append(f"{_ranks(odd)} differ{'s' if len(odd) == 1 else ''} on {name}: {held}")
-        return f"{call}: the ranks disagree: " + " | ".join(parts)
+        return disagreement(self.op.collective, names, differ, descriptions)

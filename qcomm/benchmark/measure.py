@@ -1,16 +1,11 @@
 r"""
-What every rank of ``qcomm bench`` does, step by step, and the figures rank 0
-reports.
+The measurements of ``qcomm bench``, step by step on every rank
+(:func:`run_rank`), and the figures derived from them.
 
-Each step runs on every rank, then the ranks exchange what happened over the
-control group, so that all of them agree on whether it failed. A codec that
-raises is a failed row of the report; the run goes on. A failed collective
-renews the work group before the next step, since the ranks may have left it
-out of step.
-
-Order of the run: the memory-copy roofline, each codec on its own, then for
-each message size and collective, each implementation and codec; the no-op
-codec comes first, as the baseline of the speed-ups.
+After each step the ranks agree over the control group on whether it failed:
+a codec that raises is a failed row, and the run goes on. Order: the
+memory-copy roofline, each codec on its own, then for each size and
+collective each implementation and codec, ``noop`` first as the baseline.
 """
 
 from __future__ import annotations
@@ -29,8 +24,21 @@ from typing import Any
 import torch
 
 import qcomm
-from qcomm.benchmark.codecs import FBGEMM_FORMATS, Candidate, load_candidates, measure_codec
-from qcomm.benchmark.collectives import (
+from qcomm.benchmark.candidates import FBGEMM_FORMATS, Candidate, load_candidates, measure_codec
+from qcomm.benchmark.link import parse_rate
+from qcomm.benchmark.metrics import (
+    GB,
+    TCP_EFFICIENCY,
+    algorithm_bandwidth,
+    break_even_bandwidth,
+    bus_bandwidth,
+    collective_break_even,
+    error_stats,
+    predicted_time,
+)
+from qcomm.benchmark.options import OP_TITLES, BenchConfig, format_size
+from qcomm.benchmark.report import write_report
+from qcomm.benchmark.series import (
     BARE,
     BenchOp,
     Case,
@@ -45,19 +53,7 @@ from qcomm.benchmark.collectives import (
     run_series,
     torchrec_all_to_all,
 )
-from qcomm.benchmark.launch import EXIT_CODEC_FAILED, Session
-from qcomm.benchmark.link import parse_rate
-from qcomm.benchmark.metrics import (
-    GB,
-    TCP_EFFICIENCY,
-    algorithm_bandwidth,
-    break_even_bandwidth,
-    bus_bandwidth,
-    collective_break_even,
-    error_stats,
-    predicted_time,
-)
-from qcomm.benchmark.options import OP_TITLES, BenchConfig, format_size
+from qcomm.benchmark.session import EXIT_CODEC_FAILED, Session
 from qcomm.benchmark.timing import calls_for_budget, relative_spread, synchronize, time_calls
 from qcomm.types import CommOp, QuantizedCommCodecs, codec_info
 
@@ -200,11 +196,11 @@ def _build_series(
     fbgemm_codecs = [c for c in candidates if c.source == "fbgemm"]
     torchrec_reason: str | None = None
     torchrec_fn: Callable[..., Any] | None = None
-    if config.fbgemm and CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL in config.comm_ops:
+    if config.fbgemm and CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL in config.comm_ops():
         torchrec_fn, problem = _agreed_here(session, torchrec_all_to_all)
         torchrec_reason = f"TorchRec is not importable: {problem}" if problem else None
     series: dict[BenchOp, list[Series]] = {}
-    for op in config.comm_ops:
+    for op in config.comm_ops():
         if op is DenseOp.ALL_REDUCE:
             series[op] = all_reduce_series(qcomm_codecs, config.chunk_bytes)
             continue
@@ -381,7 +377,7 @@ def _measure_collectives(
     points = []
     for size in config.sizes:
         base = base_input(size, world_size=session.world_size, dim=config.dim, seed=config.seed)
-        for op in config.comm_ops:
+        for op in config.comm_ops():
             case = make_case(
                 op, base, rank=session.rank, world_size=session.world_size, device=session.device
             )
@@ -397,7 +393,7 @@ def _measure_collectives(
                         "op": op.value,
                         "impl": line.impl,
                         "codec": line.codec,
-                        "label": line.label,
+                        "label": line.label(),
                         "pass": p,
                         "size_bytes": case.size_bytes,
                         "status": "ok",
@@ -600,7 +596,7 @@ def run_rank(config: BenchConfig, session: Session) -> int:
         session (Session): this rank's device and process groups.
 
     Returns:
-        int: ``0``, or on rank 0 :data:`~qcomm.benchmark.launch.EXIT_CODEC_FAILED`
+        int: ``0``, or on rank 0 :data:`~qcomm.benchmark.session.EXIT_CODEC_FAILED`
         when a qcomm codec failed somewhere.
     """
     started = time.time()
@@ -648,8 +644,6 @@ def run_rank(config: BenchConfig, session: Session) -> int:
         "collectives": points,
         "unavailable": {"fbgemm": fbgemm_reason, "torchrec": torchrec_reason},
     }
-    from qcomm.benchmark.report import write_report
-
     write_report(results, json_path=config.json_path, plot_path=config.plot_path)
     failed = any(r["status"] != "ok" and r["source"] == "qcomm" for r in codec_rows) or any(
         p["status"] != "ok" and p["impl"] == "qcomm" for p in points

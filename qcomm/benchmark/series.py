@@ -1,19 +1,12 @@
 r"""
-The collectives ``qcomm bench`` measures, and the input of one message size.
+What ``qcomm bench`` runs: each collective's input at one message size
+(:class:`Case`) and the implementations and codecs it runs with
+(:class:`Series`): qcomm's, TorchRec's, PyTorch's DDP hooks and the
+backend's own calls.
 
-Inputs are ``[rows, dim]`` float32 tensors split evenly over the ranks by
-rows, so that a message of ``S`` bytes is each rank's whole buffer, as in
-nccl-tests. Rank :math:`r` sends :math:`x \cdot s_r` with :math:`x` one
-random tensor every rank draws from the same seed and
-:math:`s_r = 1 + r / n`: inputs differ from rank to rank, yet every rank can
-compute the exact float32 result without qcomm, which is what the decoded
-output is compared with.
-
-Beside the three embedding collectives (:class:`~qcomm.CommOp`), the
-all-reduce of dense gradients (:attr:`DenseOp.ALL_REDUCE`): each rank's whole
-buffer is one gradient bucket, averaged in place by qcomm's DDP hook with each
-codec (:func:`~qcomm.ddp_comm_hook`), by PyTorch's default all-reduce hook and
-by its ``fp16_compress_hook``, all in the same run.
+Rank :math:`r` of :math:`n` sends :math:`x (1 + r / n)`, with :math:`x` one
+random tensor all ranks draw from the same seed: inputs differ between
+ranks, yet every rank knows the exact float32 output to check against.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ from typing import Any
 
 import torch
 
-from qcomm.benchmark.codecs import Candidate
+from qcomm.benchmark.candidates import Candidate
 from qcomm.types import CommOp, QuantizedCommCodecs
 
 __all__ = [
@@ -38,6 +31,7 @@ __all__ = [
     "add_pytorch_ratios",
     "all_reduce_series",
     "bare_series",
+    "base_input",
     "make_case",
     "qcomm_collective",
     "run_series",
@@ -46,23 +40,13 @@ __all__ = [
 
 
 class DenseOp(enum.Enum):
-    r"""
-    The collectives ``qcomm bench`` measures beside the embeddings'
-    :class:`~qcomm.CommOp`: those of dense gradients.
-    """
+    r"""The collectives of dense gradients, measured beside :class:`~qcomm.CommOp`."""
 
     ALL_REDUCE = "all_reduce"
 
 
 #: a collective ``qcomm bench`` measures
 BenchOp = CommOp | DenseOp
-
-# qcomm's function for each collective; see docs/api.rst for the signatures.
-_QCOMM_NAMES = {
-    CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL: "all_to_all_pooled",
-    CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER: "reduce_scatter_pooled",
-    CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL: "all_to_all_sequence",
-}
 
 
 @dataclasses.dataclass
@@ -77,7 +61,7 @@ class Case:
         expected (Tensor): the exact float32 output on this rank.
         rows_per_rank (int): rows of the input addressed to each rank.
         dim (int): columns of the input.
-        grad (Tensor): the output's gradient, for timing the backward pass.
+        grad (Tensor): the output's gradient, for the backward pass.
     """
 
     op: BenchOp
@@ -115,15 +99,17 @@ class Series:
     error: str | None = None
     chunk_bytes: int | None = None
     has_backward: bool = True
+    #: whether there is a backward pass to time (not for the bare calls and the all-reduce)
+    differentiable: bool = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
+    def __post_init__(self) -> None:
+        self.differentiable = self.impl != "bare" and self.has_backward
+
     def label(self) -> str:
         r"""
         label() -> str
 
-        ``codec`` for qcomm, ``torchrec[codec]`` for TorchRec,
-        ``pytorch[hook]`` for PyTorch's DDP hooks, ``bare:call`` for the
-        backend's own calls.
+        The report's name: ``codec``, ``torchrec[codec]``, ``pytorch[hook]`` or ``bare:call``.
         """
         if self.impl == "qcomm":
             return self.codec
@@ -131,34 +117,19 @@ class Series:
             return f"bare:{self.codec}"
         return f"{self.impl}[{self.codec}]"
 
-    @property
-    def differentiable(self) -> bool:
-        r"""
-        differentiable() -> bool
-
-        Whether the series has a backward pass to time (the bare calls and
-        the all-reduce have none).
-        """
-        return self.impl != "bare" and self.has_backward
-
 
 def base_input(size_bytes: int, *, world_size: int, dim: int, seed: int) -> torch.Tensor:
     r"""
     base_input(size_bytes: int, *, world_size: int, dim: int, seed: int) -> Tensor
 
-    The random tensor all ranks share for one message size: standard normal
-    values, like trained embeddings, drawn on the CPU so that every device
-    gets the same numbers.
+    The standard normal ``[rows, dim]`` float32 tensor all ranks share,
+    drawn on the CPU so that every device gets the same numbers.
 
     Args:
-        size_bytes (int): the wanted message size; rows are rounded down to a
-            multiple of ``world_size`` (at least one row per rank).
-        world_size (int): number of ranks.
+        size_bytes (int): the message size.
+        world_size (int): ranks; rows are a multiple of it, at least one each.
         dim (int): columns.
         seed (int): the run's seed.
-
-    Returns:
-        Tensor: ``[rows, dim]`` float32 on the CPU.
 
     Examples::
 
@@ -176,18 +147,15 @@ def make_case(
     r"""
     make_case(op: CommOp | DenseOp, base: Tensor, *, rank: int, world_size: int, device: torch.device) -> Case
 
-    This rank's input of ``op`` and the exact output it must receive (for the
-    all-reduce: the average over the ranks, as DDP's hooks take it).
+    This rank's input, ``base`` scaled by :math:`1 + r / n`, and the exact
+    output it must receive (for the all-reduce: the ranks' average).
 
     Args:
         op (CommOp | DenseOp): the collective.
-        base (Tensor): the shared tensor from ``base_input``.
-        rank (int): this rank.
-        world_size (int): number of ranks.
-        device (torch.device): where the collective runs.
-
-    Returns:
-        Case: the input (``base`` scaled by :math:`1 + r / n`) and expected output.
+        base (Tensor): from :func:`base_input`.
+        rank (int): :math:`r`.
+        world_size (int): :math:`n`.
+        device (torch.device): where the case's tensors go.
 
     Examples::
 
@@ -229,20 +197,14 @@ def qcomm_collective(op: CommOp) -> Callable[..., Any]:
     r"""
     qcomm_collective(op: CommOp) -> Callable[..., Any]
 
-    qcomm's function for ``op``, from :mod:`qcomm` or, before it is exported
-    there, from :mod:`qcomm.collectives`.
+    qcomm's function for a collective (:attr:`~qcomm.CommOp.collective`), from
+    :mod:`qcomm` or :mod:`qcomm.collectives`; ``ImportError`` if there is none.
 
     Args:
         op (CommOp): the collective.
-
-    Returns:
-        Callable[..., Any]: e.g. ``qcomm.all_to_all_pooled``.
-
-    Raises:
-        ImportError: if qcomm has no such function.
     """
-    name = _QCOMM_NAMES[op]
-    fn = getattr(importlib.import_module("qcomm"), name, None)
+    name = op.collective
+    fn: Callable[..., Any] | None = getattr(importlib.import_module("qcomm"), name, None)
     if fn is None:
         fn = getattr(importlib.import_module("qcomm.collectives"), name, None)
     if fn is None:
@@ -254,10 +216,7 @@ def torchrec_all_to_all() -> Callable[..., Any]:
     r"""
     torchrec_all_to_all() -> Callable[..., Any]
 
-    TorchRec's ``alltoall_pooled`` (``torchrec.distributed.comm_ops``).
-
-    Returns:
-        Callable[..., Any]: the function.
+    TorchRec's ``alltoall_pooled``.
 
     Raises:
         ImportError: if TorchRec is not importable.
@@ -291,15 +250,12 @@ def bare_series(op: CommOp, name: str) -> Series:
     r"""
     bare_series(op: CommOp, name: str) -> Series
 
-    A series of the backend's own calls (see :data:`BARE`) for ``op``.
+    The backend's own call beside a collective; its output is kept from call
+    to call and is not in the collective's layout (it is timed, not checked).
 
     Args:
-        op (CommOp): the collective it stands beside.
+        op (CommOp): the collective.
         name (str): one of :data:`BARE`.
-
-    Returns:
-        Series: whose ``call(case, group)`` returns an output it keeps from
-        call to call (not the collective's layout: it is timed, not checked).
     """
     kept: dict[int, torch.Tensor] = {}
 
@@ -322,7 +278,7 @@ def bare_series(op: CommOp, name: str) -> Series:
 
 
 class _Bucket:
-    """What DDP hands a communication hook: here each rank's whole buffer."""
+    # What DDP hands a communication hook: here each rank's whole buffer.
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self._buffer = buffer
@@ -348,7 +304,6 @@ PYTORCH_HOOKS = ("allreduce_hook", "fp16_compress_hook")
 
 
 def _pytorch_hook(name: str) -> Callable[[Case, Any], torch.Tensor]:
-    """A series' call running PyTorch's DDP hook ``name`` on the case's buffer."""
     hooks = importlib.import_module("torch.distributed.algorithms.ddp_comm_hooks.default_hooks")
     hook = getattr(hooks, name)
 
@@ -360,7 +315,6 @@ def _pytorch_hook(name: str) -> Callable[[Case, Any], torch.Tensor]:
 
 
 def _qcomm_hook(codecs: QuantizedCommCodecs, chunk_bytes: int | None) -> Callable[..., Any]:
-    """A series' call running qcomm's DDP hook with ``codecs`` on the case's buffer."""
     from qcomm.ddp import DDPCommHookState, all_reduce_hook
 
     def call(case: Case, group: Any) -> torch.Tensor:
@@ -377,19 +331,14 @@ def all_reduce_series(candidates: list[Candidate], chunk_bytes: int | None) -> l
     r"""
     all_reduce_series(candidates: list[Candidate], chunk_bytes: int | None) -> list[Series]
 
-    The lines of the all-reduce: qcomm's DDP hook with each codec, PyTorch's
-    hooks (:data:`PYTORCH_HOOKS`), and ``bare:p2p``: every peer's block sent
-    and received at once, twice over (what a reduce-scatter and an
-    all-gather of float32 move, at what the link allows).
-
-    Each call averages the case's input in place, as a hook does a bucket.
+    The series of the all-reduce, each averaging the case's input in place as
+    a hook does a bucket: qcomm's DDP hook with each codec, PyTorch's hooks
+    (:data:`PYTORCH_HOOKS`), then ``bare:p2p`` twice over (what a
+    reduce-scatter and an all-gather of float32 move).
 
     Args:
         candidates (list[Candidate]): qcomm's codecs, loaded or not.
         chunk_bytes (int | None): qcomm's chunk size, ``None`` for automatic.
-
-    Returns:
-        list[Series]: qcomm's, PyTorch's, then the bare exchange.
     """
     lines = []
     for c in candidates:
@@ -421,12 +370,12 @@ def add_pytorch_ratios(points: list[dict[str, Any]]) -> None:
     r"""
     add_pytorch_ratios(points: list[dict[str, Any]]) -> None
 
-    Adds to every point of the all-reduce ``vs_<hook>`` for each of
-    :data:`PYTORCH_HOOKS`: that hook's time over the point's, at the same
-    size and pass in the same run (``None`` where either failed).
+    Adds to every all-reduce row ``vs_<hook>`` for each of
+    :data:`PYTORCH_HOOKS`: that hook's time over the row's, at the same size
+    and pass (``None`` where either failed).
 
     Args:
-        points (list[dict[str, Any]]): the report's rows.
+        points (list[dict[str, Any]]): the collectives' rows.
 
     Examples::
 
@@ -457,25 +406,17 @@ def run_series(series: Series, case: Case, group: Any, backward: bool = False) -
     r"""
     run_series(series: Series, case: Case, group: Any, backward: bool = False) -> Tensor
 
-    Runs the collective of ``case`` once with the implementation and codec of
-    ``series`` and waits for its output (and, with ``backward``, for the
-    input's gradient).
+    Runs a case once and returns this rank's output once it is there;
+    ``RuntimeError`` if ``series`` cannot run (its :attr:`Series.error`).
 
     Args:
         series (Series): what runs.
         case (Case): the input.
         group (Any): the process group.
-        backward (bool, optional): also run the backward pass with
-            ``case.grad``. Default: ``False``.
-
-    Returns:
-        Tensor: the output on this rank.
-
-    Raises:
-        RuntimeError: if ``series`` cannot run (its :attr:`Series.error`).
+        backward (bool, optional): also the backward pass with ``case.grad``. Default: ``False``.
     """
     if series.call is None:
-        raise RuntimeError(series.error or f"{series.label} cannot run")
+        raise RuntimeError(series.error or f"{series.label()} cannot run")
     if series.impl == "bare" or case.op is DenseOp.ALL_REDUCE:
         return series.call(case, group)  # type: ignore[no-any-return]
     world_size = case.input.shape[0] // case.rows_per_rank

@@ -1,20 +1,7 @@
 r"""
-``qcomm bench``: what each codec buys in bandwidth and costs in accuracy.
-
-With no arguments it spawns 2 local gloo ranks on the CPU and measures every
-discovered codec: encode and decode throughput against a memory-copy
-roofline, wire size, error against float32, break-even link bandwidth, and the
-three collectives from 64 KiB to 64 MiB. Under ``torchrun`` it uses the
-launcher's ranks, and NCCL when CUDA is there::
-
-    qcomm bench
-    qcomm bench --quick --json out.json --plot out.png
-    qcomm bench --codecs 'int8:row_dim=64,fp16' --sizes 64K,1M --ops pooled
-    qcomm bench --link 1gbit --sizes 64M --codecs fp16,int8,mx4 --backward
-    qcomm bench --link 1gbit --sizes 64M --codecs int8 --ops all_reduce
-    torchrun --nproc-per-node 8 -m qcomm.cli bench
-
-The machinery lives in :mod:`qcomm.benchmark`.
+The ``qcomm bench`` command: its options (:func:`add_bench_arguments`), the
+run's settings from them (:func:`config_from_args`) and the run
+(:func:`run_bench`). What it measures and how to read it: :doc:`/bench`.
 """
 
 from __future__ import annotations
@@ -26,7 +13,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from qcomm.benchmark.launch import EXIT_CODEC_FAILED, launcher_env, run_distributed, spawn_local
 from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.options import (
     QUICK_SIZES,
@@ -38,7 +24,9 @@ from qcomm.benchmark.options import (
     parse_sizes,
     split_codec_list,
 )
-from qcomm.registry import load_codec, parse_codec_spec
+from qcomm.benchmark.session import EXIT_CODEC_FAILED, launcher_env
+from qcomm.discovery import load_codec
+from qcomm.specs import parse_codec_spec
 from qcomm.types import CodecError
 
 __all__ = ["add_bench_arguments", "config_from_args", "run_bench"]
@@ -80,10 +68,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     r"""
     add_bench_arguments(parser: argparse.ArgumentParser) -> None
 
-    Adds the options of ``qcomm bench`` to ``parser``.
+    Adds the options of ``qcomm bench`` to a parser.
 
     Args:
-        parser (argparse.ArgumentParser): the ``bench`` sub-command's parser.
+        parser (argparse.ArgumentParser): the sub-command's parser.
 
     Examples::
 
@@ -222,23 +210,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     r"""
     config_from_args(args: argparse.Namespace) -> BenchConfig
 
-    The run's settings from the parsed options, with the ``--quick`` defaults
-    where an option was not given.
+    The run's settings, with the ``--quick`` defaults where an option was
+    not given.
 
     Args:
-        args (argparse.Namespace): options parsed by a parser that went through
-            :func:`add_bench_arguments`.
-
-    Returns:
-        BenchConfig: the settings.
+        args (argparse.Namespace): parsed by :func:`add_bench_arguments`.
 
     Raises:
-        ValueError: if a codec named by ``--codecs`` cannot be built, if
-            ``--world-size`` is below 2 without a launcher, or contradicts the
-            launcher's ``WORLD_SIZE``; if a size of ``--sizes`` or
-            ``--codec-size`` cannot fit in this machine's memory on its local
-            ranks; if ``--plot`` is given without matplotlib; if ``--json`` or
-            ``--plot`` is a folder, or a file that cannot be written.
+        ValueError: naming the option, if a codec cannot be built, the world
+            size or a size does not fit, or an output cannot be written.
     """
     quick: dict[str, Any] = dict(_QUICK) if args.quick else {}
     config = BenchConfig(quick=args.quick, fbgemm=args.fbgemm, timeout=args.timeout, seed=args.seed)
@@ -308,7 +288,7 @@ _TENSORS_PER_SIZE = 4
 
 
 def _check_memory(config: BenchConfig, local_ranks: int) -> None:
-    """Refuses sizes that this machine cannot hold on its local ranks, before any starts."""
+    """Refuses sizes that this machine cannot hold on its local ranks."""
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -347,13 +327,17 @@ def run_bench(args: argparse.Namespace) -> int:
     otherwise on ``--world-size`` spawned local ranks.
 
     Args:
-        args (argparse.Namespace): parsed options.
+        args (argparse.Namespace): the parsed options.
 
     Returns:
         int: ``0`` when every codec ran; ``1`` when the run completed but a
         qcomm codec failed somewhere (shown in the table); ``2`` when the
         options are wrong or the run could not complete.
     """
+    # The measuring machinery loads only for a run: `qcomm list` and
+    # `qcomm check` build this command's parser too.
+    from qcomm.benchmark.launch import run_distributed, spawn_local
+
     try:
         config = config_from_args(args)
     except ValueError as err:

@@ -1,0 +1,261 @@
+r"""
+Codec discovery: entry points of group ``qcomm.codecs``, loaded with stevedore.
+
+One fresh scan of package metadata per call decides what exists, what
+``QCOMM_PLUGINS`` allows and what conflicts, so what is listed is what loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import inspect
+import os
+import sys
+from typing import Any
+
+from stevedore import NamedExtensionManager
+
+from qcomm.specs import parse_codec_spec
+from qcomm.types import CodecError, QuantizedCommCodec, contract_problem
+
+__all__ = ["ENTRY_POINT_GROUP", "CodecEntry", "available_codecs", "codec_entries", "load_codec"]
+
+ENTRY_POINT_GROUP = "qcomm.codecs"
+_PLUGINS_ENV = "QCOMM_PLUGINS"
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecEntry:
+    r"""
+    One codec as its package metadata declares it; nothing is imported.
+
+    Args:
+        name (str): the entry-point name, e.g. ``"int8"``.
+        value (str): the factory's import path, ``"module:attr"``.
+        distribution (str): the distribution that registers it.
+        version (str): that distribution's version.
+    """
+
+    name: str
+    value: str
+    distribution: str
+    version: str
+
+
+def _normalize(dist_name: str) -> str:
+    return dist_name.strip().lower().replace("_", "-").replace(".", "-")
+
+
+def _scan() -> dict[str, list[CodecEntry]]:
+    # importlib.metadata rather than stevedore's listing: stevedore's cache
+    # drops which distribution an entry point comes from, and that is what
+    # conflicts, QCOMM_PLUGINS and `qcomm list` need.
+    found: dict[str, list[CodecEntry]] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist
+        entry = CodecEntry(
+            name=ep.name,
+            value=ep.value,
+            distribution=(dist.metadata["Name"] or "<unnamed>") if dist else "<unknown>",
+            version=(dist.version or "?") if dist else "?",
+        )
+        # The same distribution can be seen twice on sys.path (e.g. an editable
+        # install beside a regular one); that is one codec, not a conflict.
+        if entry not in found.setdefault(ep.name, []):
+            found[ep.name].append(entry)
+    return found
+
+
+def _allowed(found: dict[str, list[CodecEntry]]) -> dict[str, list[CodecEntry]]:
+    """``found`` less what ``QCOMM_PLUGINS`` leaves out."""
+    raw = os.environ.get(_PLUGINS_ENV, "").strip()
+    if not raw:
+        return dict(sorted(found.items()))
+    allowed = {_normalize(d) for d in raw.split(",") if d.strip()}
+    known = {_normalize(e.distribution): e.distribution for es in found.values() for e in es}
+    # A typo would otherwise hide every codec of the distribution meant.
+    unknown = sorted(allowed - set(known))
+    if unknown or not allowed:
+        what = (
+            f"{', '.join(unknown)} registers no qcomm codec" if unknown else "names no distribution"
+        )
+        raise CodecError(
+            f"{_PLUGINS_ENV}={raw!r}: {what}; distributions that register codecs: "
+            f"{', '.join(sorted(known.values())) or 'none'}"
+        )
+    kept = {
+        name: [e for e in entries if _normalize(e.distribution) in allowed]
+        for name, entries in sorted(found.items())
+    }
+    return {name: entries for name, entries in kept.items() if entries}
+
+
+def codec_entries() -> dict[str, list[CodecEntry]]:
+    r"""
+    codec_entries() -> dict[str, list[CodecEntry]]
+
+    Every codec name with the distributions that register it (two or more:
+    a conflict), read from package metadata without importing any plugin.
+
+    Returns:
+        dict[str, list[CodecEntry]]: entries by codec name, names sorted.
+
+    Raises:
+        CodecError: if ``QCOMM_PLUGINS`` names a distribution without codecs.
+
+    Examples::
+
+        >>> codec_entries()["noop"][0].value
+        'qcomm.types:NoOpQuantizedCommCodec'
+    """
+    return _allowed(_scan())
+
+
+def available_codecs() -> list[str]:
+    r"""
+    available_codecs() -> list[str]
+
+    Names of all registered codecs; nothing is imported.
+
+    Returns:
+        list[str]: sorted codec names.
+
+    Examples::
+
+        >>> "noop" in available_codecs()
+        True
+    """
+    return list(codec_entries())
+
+
+def _entry(name: str) -> CodecEntry:
+    """The one allowed entry of ``name``, or why there is none."""
+    found = _scan()
+    allowed = _allowed(found)
+    if name not in allowed:
+        known = ", ".join(allowed) or "none"
+        left_out = found.get(name)
+        hidden = f" ({_PLUGINS_ENV} leaves out {left_out[0].distribution})" if left_out else ""
+        raise CodecError(f"unknown codec {name!r}{hidden}; available codecs: {known}")
+    entries = allowed[name]
+    # Never pick one of two silently: a model trained with one and served
+    # with the other would differ without anyone knowing.
+    if len(entries) > 1:
+        dists = ", ".join(f"{e.distribution} {e.version} ({e.value})" for e in entries)
+        raise CodecError(f"codec {name!r} is registered by several distributions: {dists}")
+    return entries[0]
+
+
+def _reraise(manager: Any, entry_point: Any, err: BaseException) -> None:
+    raise err
+
+
+class _Loader(NamedExtensionManager[Any]):
+    """stevedore, loading the one entry point the scan chose."""
+
+    def __init__(self, entry: CodecEntry) -> None:
+        self._entry_point = importlib.metadata.EntryPoint(
+            name=entry.name, value=entry.value, group=ENTRY_POINT_GROUP
+        )
+        # The scan has already refused conflicts, so no conflict resolver.
+        super().__init__(
+            ENTRY_POINT_GROUP,
+            names=[entry.name],
+            on_load_failure_callback=_reraise,
+            on_missing_entrypoints_callback=None,
+        )
+
+    def list_entry_points(self) -> list[importlib.metadata.EntryPoint]:
+        # stevedore's own listing is cached in-process and on disk, and would
+        # hand out an old entry point after an upgrade: never consult it.
+        return [self._entry_point]
+
+
+# Top-level package of a plugin -> (its module object, "distribution version").
+_LOADED: dict[str, tuple[Any, str]] = {}
+
+
+def _refuse_stale_package(entry: CodecEntry, where: str) -> str:
+    """The plugin's top-level package; raises if this process holds another version of it."""
+    # The whole package, not the one module: a new int8 module next to the
+    # old package's shared helpers would be a mix of two versions.
+    package = entry.value.partition(":")[0].strip().partition(".")[0]
+    seen = _LOADED.get(package)
+    release = f"{entry.distribution} {entry.version}"
+    if seen is not None and sys.modules.get(package) is seen[0] and seen[1] != release:
+        raise CodecError(
+            f"{where}: this process imported {package} from {seen[1]} before it was replaced "
+            f"by {release}; a package cannot be swapped safely in a running process, so "
+            f"restart the process to use {release}"
+        )
+    return package
+
+
+def _accepted_options(factory: Any) -> tuple[list[str], bool]:
+    """The factory's keyword names, and whether it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return [], True
+    names = [
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+    ]
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
+    r"""
+    load_codec(spec: str, **options: Any) -> QuantizedCommCodec
+
+    Builds a codec from its spec, importing only the plugin that provides it.
+
+    Args:
+        spec (str): ``name`` or ``name:key=value,...``.
+        **options (Any): more options; they override those in ``spec``.
+
+    Returns:
+        QuantizedCommCodec: a new codec instance.
+
+    Raises:
+        CodecError: if the spec is malformed or names an unknown or conflicting
+            codec, or the plugin fails to import, build or keep the contract.
+
+    Examples::
+
+        >>> load_codec("noop").calc_quantized_size(8)
+        8
+    """
+    name, spec_options = parse_codec_spec(spec)
+    spec_options.update(options)
+    entry = _entry(name)
+    release = f"{entry.distribution} {entry.version}"
+    where = f"codec {name!r} ({entry.value}, distribution {release})"
+    package = _refuse_stale_package(entry, where)
+    try:
+        factory = _Loader(entry)[name].plugin
+    except Exception as err:
+        raise CodecError(f"{where} failed to import: {type(err).__name__}: {err}") from err
+    loaded = sys.modules.get(package)
+    if package not in _LOADED or _LOADED[package][0] is not loaded:
+        _LOADED[package] = (loaded, release)
+
+    accepted, takes_any = _accepted_options(factory)
+    unknown = sorted(set(spec_options) - set(accepted))
+    if unknown and not takes_any:
+        raise CodecError(
+            f"{where} does not accept option(s) {', '.join(unknown)}; "
+            f"accepted options: {', '.join(accepted) or 'none'}"
+        )
+    try:
+        codec: QuantizedCommCodec = factory(**spec_options)
+    except Exception as err:
+        raise CodecError(
+            f"{where} could not be built with options {spec_options}: {type(err).__name__}: {err}"
+        ) from err
+    problem = contract_problem(codec)
+    if problem:
+        raise CodecError(f"{where} returned {problem}")
+    return codec

@@ -1,0 +1,154 @@
+r"""
+The codec-spec language of :func:`~qcomm.load_codec`, :func:`~qcomm.build_registry`,
+``QCOMM_CODECS`` and the command line (see :doc:`codecs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qcomm.types import CodecError, CommOp
+
+__all__ = ["parse_codec_spec", "parse_registry_string", "split_codec_specs"]
+
+
+def _parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_codec_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    r"""
+    parse_codec_spec(spec: str) -> tuple[str, dict[str, Any]]
+
+    Splits ``name:key=value,...`` into the name and its options (``int``,
+    ``float``, ``bool`` or ``str``).
+
+    Args:
+        spec (str): the codec spec.
+
+    Returns:
+        tuple[str, dict[str, Any]]: the name and the options.
+
+    Raises:
+        CodecError: if ``spec`` is not a spec or gives an option twice.
+
+    Examples::
+
+        >>> parse_codec_spec("int8:row_dim=64,stochastic=true")
+        ('int8', {'row_dim': 64, 'stochastic': True})
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        # type(spec) of a class is its metaclass (_ProtocolMeta, ABCMeta): name the class.
+        got = (
+            f"the class {spec.__name__}"
+            if isinstance(spec, type)
+            else f"{type(spec).__name__} {spec!r}"
+        )
+        raise CodecError(f"spec: expected a codec spec string like 'int8:row_dim=64', got {got}")
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip()
+    if not name:
+        raise CodecError(f"codec spec {spec!r} has no codec name before ':'")
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise CodecError(f"option {item!r} in codec spec {spec!r} is not of the form key=value")
+        # Last-one-wins would let a pasted spec silently override itself.
+        if key in options:
+            raise CodecError(f"option {key!r} is given twice in codec spec {spec!r}")
+        options[key] = _parse_value(value.strip())
+    return name, options
+
+
+def split_codec_specs(text: str) -> list[str]:
+    r"""
+    split_codec_specs(text: str) -> list[str]
+
+    Splits a list of specs, pairs or ``<op>=<pair>`` items.
+
+    Args:
+        text (str): comma- or ``;``-separated; ``key=value`` continues the spec before it.
+
+    Examples::
+
+        >>> split_codec_specs("int8:row_dim=64,stochastic=true,fp16;mx4")
+        ['int8:row_dim=64,stochastic=true', 'fp16', 'mx4']
+    """
+    specs: list[str] = []
+    for part in text.split(";"):
+        current: list[str] = []
+        for item in (p.strip() for p in part.split(",")):
+            if not item:
+                continue
+            if _is_option(item):
+                if not current:
+                    raise CodecError(
+                        f"option {item!r} in {text!r} comes before any codec name; "
+                        f"expected e.g. 'int8:row_dim=64,fp16'"
+                    )
+                current.append(item)
+                continue
+            if current:
+                specs.append(",".join(current))
+            current = [item]
+        if current:
+            specs.append(",".join(current))
+    return specs
+
+
+def _is_option(item: str) -> bool:
+    head, eq, _ = item.partition("=")
+    return bool(eq) and not set(":/") & set(head) and head.strip().upper() not in CommOp.__members__
+
+
+def parse_registry_string(text: str) -> dict[CommOp, str]:
+    r"""
+    parse_registry_string(text: str) -> dict[CommOp, str]
+
+    The pair of each op a registry string gives.
+
+    Args:
+        text (str): one pair for every op, or ``<op>=<pair>`` items.
+
+    Examples::
+
+        >>> parse_registry_string("pooled_embeddings_all_to_all=int8:row_dim=64/fp16")
+        {<CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL: 'pooled_embeddings_all_to_all'>: 'int8:row_dim=64/fp16'}
+    """
+    first = text.split(",")[0].split(";")[0]
+    if _is_option(first):
+        CommOp.parse(first.partition("=")[0])  # raises, naming the unknown op
+    pairs: dict[CommOp, str] = {}
+    every: list[str] = []
+    for item in split_codec_specs(text):
+        head, eq, rest = item.partition("=")
+        if eq and head.strip().upper() in CommOp.__members__:
+            op = CommOp.parse(head)
+            if op in pairs:
+                raise CodecError(f"CommOp {op.value!r} is given twice in {text!r}")
+            pairs[op] = rest.strip()
+        else:
+            every.append(item)
+    ops = ", ".join(m.value for m in CommOp)
+    if every and pairs:
+        raise CodecError(
+            f"expected either one codec pair for every op or '<op>=<forward>/<backward>' "
+            f"items, not both, in {text!r}; ops: {ops}"
+        )
+    if len(every) > 1:
+        raise CodecError(
+            f"expected one codec or 'forward/backward' pair for every op, got "
+            f"{len(every)} codecs ({', '.join(every)}) in {text!r}; to give each op its own, "
+            f"write '<op>=<forward>/<backward>' items (ops: {ops})"
+        )
+    return {op: every[0] for op in CommOp} if every else pairs
