@@ -29,10 +29,11 @@ from qcomm.collectives._wire import (
     checked_decode,
     checked_encode,
     encodable,
+    is_identity,
     quantized_sizes,
     wire_dtype,
 )
-from qcomm.types import CodecError, CodecInfo, NoOpQuantizedCommCodec
+from qcomm.types import CodecError, CodecInfo
 
 # Automatic chunking: a region of at most _SMALL elements travels whole;
 # larger ones in up to _MAX_CHUNKS chunks of at least _SMALL elements. More
@@ -152,11 +153,6 @@ class Flat:
 Region = Rows | Flat
 
 
-def _identity(codec: Any, dtype: torch.dtype) -> bool:
-    # Only qcomm's own no-op codec is known to hand back what it was given.
-    return type(codec) is NoOpQuantizedCommCodec and codec.quantized_dtype == dtype
-
-
 def _alignment(codec: Any, transport: Transport) -> int | None:
     # The chunk alignment in elements, or None for one chunk per region.
     info = getattr(codec, "info", None)
@@ -182,7 +178,7 @@ def start_exchange(
     closes. A disagreement or failure raises :class:`~qcomm.CodecError` on every rank.
     """
     align = _alignment(codec, transport)
-    identity = _identity(codec, dtype)
+    identity = is_identity(codec, dtype)
     wdtype = wire_dtype(codec)
     decode_into = getattr(codec, "decode_into", None)
 

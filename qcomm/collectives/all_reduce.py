@@ -21,7 +21,7 @@ from qcomm.collectives._args import check_chunk_bytes, check_codec, check_input,
 from qcomm.collectives._buffers import lease
 from qcomm.collectives._exchange import Flat, recv_order, send_order, start_exchange
 from qcomm.collectives._transport import Transport, open_transport
-from qcomm.collectives._wire import checked_decode, padded_lengths
+from qcomm.collectives._wire import checked_decode, is_identity, padded_lengths
 from qcomm.types import CodecInfo, NoOpQuantizedCommCodec
 
 __all__ = ["Residuals", "all_reduce", "granule", "layout"]
@@ -198,11 +198,6 @@ def _tap(codec: Any) -> _Tap:
     return found[1]
 
 
-def _identity(codec: Any, dtype: torch.dtype) -> bool:
-    """Whether ``codec`` hands data of ``dtype`` over as it is (qcomm's own no-op codec)."""
-    return type(codec) is NoOpQuantizedCommCodec and codec.quantized_dtype == dtype
-
-
 def _check_residuals(residuals: Residuals, numel: int, own: int, device: torch.device) -> None:
     """Fills in empty residuals with zeros and checks the others."""
     for name, size in (("scatter", numel), ("gather", own)):
@@ -301,7 +296,7 @@ def all_reduce(
         check_codec(codec, name, buffer.device, pg)
         codecs.append(codec)
     bounds = layout(buffer.numel(), world, granule(*codecs))
-    if all(_identity(codec, buffer.dtype) for codec in codecs):
+    if all(is_identity(codec, buffer.dtype) for codec in codecs):
         residuals = None  # nothing is lost, nothing to keep
     if residuals is not None:
         _check_residuals(residuals, buffer.numel(), bounds[rank + 1] - bounds[rank], buffer.device)
@@ -358,7 +353,7 @@ class _Call:
         padded = padded_lengths(codec, ctx, self.lengths, rank, buf.device)
         peers = [r for r in send_order(rank, world) if self.lengths[r]]
         tap: Any = codec
-        if self.residuals is not None and not _identity(codec, buf.dtype):
+        if self.residuals is not None and not is_identity(codec, buf.dtype):
             assert self.residuals.scatter is not None
             sinks = []
             for r in peers:
@@ -392,7 +387,7 @@ class _Call:
         mine = self.block(rank)
         if average:
             shard.div_(world)
-        identity = _identity(codec, buf.dtype)
+        identity = is_identity(codec, buf.dtype)
         residual = None
         if self.residuals is not None and not identity:
             residual = self.residuals.gather
