@@ -154,7 +154,11 @@ class QuantizedCommCodec(Protocol):
 
     @property
     def quantized_dtype(self) -> torch.dtype:
-        r"""quantized_dtype() -> torch.dtype: the dtype of the wire; a property, read as an attribute."""
+        r"""
+        quantized_dtype() -> torch.dtype
+
+        The dtype of the wire; a property (or a plain attribute), never called.
+        """
         ...
 
     def calc_quantized_size(self, input_len: int, ctx: Any | None = None) -> int:
@@ -227,7 +231,11 @@ class NoOpQuantizedCommCodec(QuantizedCommCodec):
 
     @property
     def quantized_dtype(self) -> torch.dtype:
-        r"""quantized_dtype() -> torch.dtype: the wire dtype, read as an attribute."""
+        r"""
+        quantized_dtype() -> torch.dtype
+
+        The wire dtype given to the constructor; a property, never called.
+        """
         return self._dtype
 
     def encode(self, input_tensor: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
