@@ -392,7 +392,7 @@ def case_verification_modes(rank: int, world: int) -> None:
     real = qverify.Agreement._exchange
 
     def counting(self: qverify.Agreement, failed: BaseException | None) -> None:
-        exchanges.append(self.op.collective)
+        exchanges.append(self.collective)
         real(self, failed)
 
     qverify.Agreement._exchange = counting  # type: ignore[method-assign]

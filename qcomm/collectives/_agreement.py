@@ -26,22 +26,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives import _transport
 from qcomm.collectives._describe import describe_codec, hash64
 from qcomm.collectives._disagreement import disagreement, unmatched_splits
-from qcomm.types import CodecError, CommOp
+from qcomm.types import CodecError
 
 ENV = "QCOMM_VERIFY"
 # Bumped whenever the layout below changes, so that ranks running different
 # qcomm versions are told so instead of misreading each other.
-_PROTOCOL = 2
-_HEADER = 5
+_PROTOCOL = 3
+_HEADER = 6
 _MODES = ("first", "always")
-_FIELDS = 5
-_OPS = list(CommOp)
+_FIELDS = 8
+#: Every collective qcomm runs, by name; its index travels in the check.
+COLLECTIVES = ("all_to_all_pooled", "reduce_scatter_pooled", "all_to_all_sequence", "all_reduce")
+_TRANSPORTS = (None, *_transport.CHOICES)
 # Longest text of one field or error message sent in a description.
 _MAX_TEXT = 1000
 
-_verified: weakref.WeakKeyDictionary[dist.ProcessGroup, set[CommOp]] = weakref.WeakKeyDictionary()
+_verified: weakref.WeakKeyDictionary[dist.ProcessGroup, set[str]] = weakref.WeakKeyDictionary()
 
 
 def mode() -> str:
@@ -53,6 +56,14 @@ def mode() -> str:
         f"{ENV}: expected '1' (check that ranks agree on every call), '0' (never) or "
         f"unset (the first call of each collective on each process group), got {raw!r}"
     )
+
+
+def safe_mode() -> str:
+    """:func:`mode`, or ``"first"`` where ``QCOMM_VERIFY`` is invalid (the check says so)."""
+    try:
+        return mode()
+    except ValueError:
+        return "first"
 
 
 def _describe(value: Any) -> str:
@@ -91,9 +102,18 @@ class Agreement:
     """
 
     def __init__(
-        self, op: CommOp, group: dist.ProcessGroup, rank: int, world: int, input: Any
+        self,
+        collective: str,
+        group: dist.ProcessGroup,
+        rank: int,
+        world: int,
+        input: Any,
+        transport: _transport.Transport | None = None,
     ) -> None:
-        self.op = op
+        if collective not in COLLECTIVES:
+            raise AssertionError(f"qcomm: unknown collective {collective!r}")
+        self.collective = collective
+        self.transport = transport
         self.group = group
         self.rank = rank
         self.world = world
@@ -106,7 +126,7 @@ class Agreement:
         except ValueError as err:
             how, self.mode, self.bad_mode = "first", "first", err
         self.due = world > 1 and (
-            how == "always" or (how == "first" and op not in _verified.get(group, ()))
+            how == "always" or (how == "first" and collective not in _verified.get(group, ()))
         )
         self.fields: dict[str, Any] = {}
         self.sends: list[int] | None = None
@@ -139,11 +159,20 @@ class Agreement:
         if not self.due:
             return
         if exc is None:
-            self._exchange(None)
-            _verified.setdefault(self.group, set()).add(self.op)
+            try:
+                self._exchange(None)
+            except CodecError:
+                # Every rank read the same table and raises alike: no rank
+                # goes on to the call's data, and none needs telling.
+                if self.transport is not None:
+                    self.transport.told = True
+                raise
+            _verified.setdefault(self.group, set()).add(self.collective)
         elif isinstance(exc, Exception):
             try:
                 self._exchange(exc)
+                if self.transport is not None:
+                    self.transport.told = True
             except Exception:
                 # Telling the others failed (e.g. the group itself is
                 # broken): this rank's own error is the one to see.
@@ -170,10 +199,11 @@ class Agreement:
             vectors = self.sends + self.recvs
         header = [
             _PROTOCOL,
-            _OPS.index(self.op),
+            COLLECTIVES.index(self.collective),
             int(failed is not None),
             len(blob),
             _MODES.index(self.mode),
+            _TRANSPORTS.index(_safe_choice()),
         ]
         mine = torch.tensor(header + hashes + vectors, dtype=torch.int64, device=device)
         table = self._all_gather(mine).tolist()
@@ -196,12 +226,12 @@ class Agreement:
     def _compare(self, table: list[list[int]]) -> str | list[int] | None:
         # Returns a finished message, the indices of hashed fields that
         # differ (to be explained from the descriptions), or None.
-        call = self.op.collective
+        call = self.collective
         if len({row[0] for row in table}) > 1:
             versions = "; ".join(f"rank {r}: {row[0]}" for r, row in enumerate(table))
             return f"{call}: the ranks run qcomm versions with different verification ({versions})"
         if len({row[1] for row in table}) > 1:
-            calls = ", ".join(f"rank {r} {_OPS[row[1]].collective}" for r, row in enumerate(table))
+            calls = ", ".join(f"rank {r} {COLLECTIVES[row[1]]}" for r, row in enumerate(table))
             return f"{call}: the ranks call different collectives at the same time: {calls}"
         if len({row[4] for row in table}) > 1:
             # Ranks that verify on different calls fall out of step; say so
@@ -211,6 +241,12 @@ class Agreement:
                 for r, row in enumerate(table)
             )
             return f"{call}: the ranks run with different {ENV} ({modes}); set it alike on all"
+        if len({row[5] for row in table}) > 1:
+            said = "; ".join(
+                f"rank {r}: {_transport.ENV}={_TRANSPORTS[row[5]] or 'unset'}"
+                for r, row in enumerate(table)
+            )
+            return f"{call}: the ranks force different transports ({said}); set it alike on all"
         if any(row[2] for row in table):
             return []
         differ = [i for i in range(_FIELDS) if len({row[_HEADER + i] for row in table}) > 1]
@@ -224,7 +260,7 @@ class Agreement:
             return None
         sends = [row[start : start + self.world] for row in table]
         recvs = [row[start + self.world :] for row in table]
-        return unmatched_splits(self.op.collective, sends, recvs)
+        return unmatched_splits(self.collective, sends, recvs)
 
     def _descriptions(
         self, blob: bytes, lengths: list[int], device: torch.device
@@ -243,4 +279,12 @@ class Agreement:
 
     def _explain(self, differ: list[int], descriptions: list[dict[str, str]]) -> str:
         names = list(descriptions[self.rank])
-        return disagreement(self.op.collective, names, differ, descriptions)
+        return disagreement(self.collective, names, differ, descriptions)
+
+
+def _safe_choice() -> str | None:
+    # An invalid QCOMM_TRANSPORT raised when the call opened its transport.
+    try:
+        return _transport.choice()
+    except ValueError:
+        return None

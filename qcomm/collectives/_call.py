@@ -16,10 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives._agreement import Agreement
+from qcomm.collectives._agreement import Agreement, safe_mode
 from qcomm.collectives._args import resolve_group
 from qcomm.collectives._transport import Transport, open_transport
-from qcomm.types import CommOp
 
 
 @dataclass
@@ -32,6 +31,10 @@ class Call:
     world: int
     transport: Transport
 
+    def agreement(self, collective: str, input: Any) -> Agreement:
+        """The agreement check of this call (see :class:`Agreement`)."""
+        return Agreement(collective, self.group, self.rank, self.world, input, self.transport)
+
 
 def _device(input: Any) -> torch.device:
     """Where the call's wire lives: the input's device, or the CPU if it has none."""
@@ -41,14 +44,19 @@ def _device(input: Any) -> torch.device:
 
 
 @contextmanager
-def begin(name: str, group: Any, input: Any, op: CommOp | None = None) -> Iterator[Call]:
-    """Opens a call; an exception in the ``with`` block is told to every peer, then goes on."""
+def begin(name: str, group: Any, input: Any, collective: str | None = None) -> Iterator[Call]:
+    """
+    Opens a call (``collective``: where the peers may check agreement on it);
+    an exception in the ``with`` block is told to every peer, then goes on.
+    """
     try:
         pg, rank, world = resolve_group(group)
     except TypeError as err:
-        _tell_default_group(name, err, op)
+        _tell_default_group(name, err, collective)
         raise
-    call = Call(name, pg, rank, world, open_transport(pg, rank, _device(input)))
+    # Headers where every call is checked (QCOMM_VERIFY=1, alike on all ranks).
+    checked = safe_mode() == "always"
+    call = Call(name, pg, rank, world, open_transport(pg, rank, _device(input), checked))
     try:
         yield call
     except Exception as err:
@@ -57,16 +65,16 @@ def begin(name: str, group: Any, input: Any, op: CommOp | None = None) -> Iterat
         raise
 
 
-def _tell_default_group(name: str, error: BaseException, op: CommOp | None) -> None:
+def _tell_default_group(name: str, error: BaseException, collective: str | None) -> None:
     """Tells the default group's ranks that this rank's call has no valid group."""
     if not dist.is_initialized():
         return
     pg, rank, world = resolve_group(None)
-    transport = open_transport(pg, rank, torch.device("cpu"))
-    if op is not None:
+    transport = open_transport(pg, rank, torch.device("cpu"), safe_mode() == "always")
+    if collective is not None:
         # Where the peers check agreement on this call, meet them there.
         try:
-            with Agreement(op, pg, rank, world, None):
+            with Agreement(collective, pg, rank, world, None, transport):
                 raise error
         except BaseException:
             pass

@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from qcomm.collectives import _header
@@ -190,70 +189,81 @@ def start_exchange(
     def size_of(start: int, stop: int) -> int:
         return quantized_sizes(codec, ctx, [stop - start])[0]
 
-    incoming = [
+    incoming: list[tuple[int, Region | None, int, int, int]] = [
         (peer, region, a, b, size_of(a, b)) for peer, region in recvs for a, b in cut(region)
     ]
-    outgoing = [
+    outgoing: list[tuple[list[int], Region | None, int, int, int]] = [
         (peers, region, a, b, size_of(a, b)) for peers, region in sends for a, b in cut(region)
     ]
+    peers = [p for p in range(transport.world) if p != transport.rank]
+    # Every pair exchanges at least its statuses, so that every rank hears
+    # from every peer whether its call went well.
+    outgoing += [([p], None, 0, 0, 0) for p in peers if not any(p in o[0] for o in outgoing)]
+    incoming += [(p, None, 0, 0, 0) for p in peers if not any(p == i[0] for i in incoming)]
+    last_out = {p: i for i, (to, *_) in enumerate(outgoing) for p in to}
+    last_in = {i[0]: n for n, i in enumerate(incoming)}
+    extra = _header.status_elements(wdtype)
+    print_, name = fingerprint(codec)
+    flows = _flows(peers, incoming, outgoing)
 
-    def encode(region: Region, start: int, stop: int, size: int) -> torch.Tensor:
+    def encode(region: Region | None, start: int, stop: int, size: int) -> torch.Tensor:
+        if region is None:
+            return torch.empty(0, dtype=wdtype, device=transport.device)
         chunk = region.read(start, stop)
         if identity:
             return chunk
         return checked_encode(codec, ctx, encodable(chunk, codec), size, wdtype)
 
-    peers = [p for p in range(dist.get_world_size(transport.group)) if p != transport.rank]
     checked = transport.checked and bool(peers)
-    # A trailer tells a peer that this rank failed after its header went
-    # out: a codec failing on a later chunk, or a disagreement with a third
-    # rank. Between two ranks sending one chunk each, neither can happen
-    # (the chunk is encoded before the header): no trailer, one message less.
-    trailed = checked and (len(peers) > 1 or len(outgoing) > 1 or len(incoming) > 1)
-    # The first chunk is encoded before anything is posted where no trailer
-    # could tell a failure: a codec that fails here fails before any peer
-    # waits for this rank. Else it is encoded while the headers travel.
-    first = encode(*outgoing[0][1:]) if outgoing and not trailed else None
-    headers = _announce(peers, incoming, outgoing, codec, dtype, transport, call) if checked else {}
+    headers = _announce(peers, flows, print_, name, dtype, transport, call) if checked else {}
     # Receives are posted at once, as this rank expects them (its headers
-    # say so); a peer sends its data only once it has read them.
+    # say so); a peer sends its data only once it has read them. A peer's
+    # last message carries its status too: it lands in the shared buffer.
     pending = []
-    for peer, region, start, stop, size in incoming:
-        into = region.target(start, stop) if identity and not add else None
+    for n, (peer, region, start, stop, size) in enumerate(incoming):
+        last = last_in[peer] == n
+        into = region.target(start, stop) if region and identity and not add and not last else None
         if into is not None and not into.is_contiguous():
             into = None
-        pending.append((peer, transport.expect(peer, size, wdtype, into), region, start, stop))
-    trailers = {p: transport.expect_control(p) for p in peers} if trailed else {}
+        numel = size + extra if last else size
+        handle = transport.expect(peer, numel, wdtype, into)
+        pending.append((peer, handle, region, start, stop, size if last else None))
     transport.start()
     failure: Exception | None = None
+    held: dict[int, torch.Tensor] = {}
     try:
-        if outgoing and first is None:
-            try:
-                first = encode(*outgoing[0][1:])
-            except Exception as err:
-                failure = err
-        agreed, disagreement = _check(headers, transport, call) if checked else (set(peers), None)
-        failure = failure or disagreement
+        agreed, disagreement, someone_failed = (
+            _check(headers, transport, call) if checked else (set(peers), None, False)
+        )
+        if someone_failed and not transport.chunked:
+            # A rank that failed before the call never joins the all-to-all:
+            # neither does any other (each has its header).
+            transport.abandon()
+            raise disagreement or CodecError(f"{call}: a peer failed")
+        failure = disagreement
         for i, (to, region, start, stop, size) in enumerate(outgoing):
             targets = [p for p in to if p in agreed]
             if not targets:
                 continue
             if failure is None:
                 try:
-                    wire = (
-                        first if i == 0 and first is not None else encode(region, start, stop, size)
-                    )
+                    wire = encode(region, start, stop, size)
                 except Exception as err:
                     failure = err
             if failure is not None:
                 # The peers have posted receives of this size: fill them.
                 wire = torch.zeros(size, dtype=wdtype, device=transport.device)
             for peer in targets:
-                transport.send(peer, wire)
-        if trailed:
-            blob = (_header.fail(call, failure) if failure else _header.Header(_header.OK)).pack()
-            for peer in agreed:
-                transport.send_control(peer, blob)
+                if last_out[peer] == i:
+                    # Sent once every chunk is encoded, with the status of
+                    # the whole call: a peer never hears "ok" from a rank
+                    # that then fails on another peer's data.
+                    held[peer] = wire
+                else:
+                    transport.send(peer, wire)
+        for peer, wire in held.items():
+            own = _header.identity(call, transport.number, print_, str(dtype), flows[peer][0])
+            transport.send(peer, wire, _header.status(failure is None, own))
         transport.flush()
     except BaseException:
         transport.abandon()
@@ -262,39 +272,58 @@ def start_exchange(
         transport.abandon()
         raise failure
     pending = [item for item in pending if item[0] in agreed]
-    trailers = {p: h for p, h in trailers.items() if p in agreed}
+    expected = {
+        p: _header.identity(call, transport.number, print_, str(dtype), flows[p][1]) for p in agreed
+    }
+    statuses: dict[int, torch.Tensor] = {}
 
-    def trailer_problems(of: list[int]) -> str | None:
+    def status_problems() -> str | None:
+        # One read of every status: on a GPU, the one host synchronisation
+        # of the call, where wait() waits anyway.
+        if not statuses:
+            return None
+        order = sorted(statuses)
+        blobs = torch.cat([statuses[p] for p in order]).cpu().numpy().tobytes()
+        width = _header.STATUS_BYTES
         said = [
-            f"rank {p}: {text}"
-            for p in of
-            for text in _header.problems(
-                _header.Header(_header.OK), p, transport.rank, transport.control(trailers[p])
-            )
+            problem
+            for i, p in enumerate(order)
+            if (problem := _header.status_problem(blobs[i * width :], expected[p], p))
         ]
         if not said:
             return None
-        return f"{call}: a peer failed during the call, so this rank's result is void ({'; '.join(said)})"
+        return f"{call}: {'; '.join(said)}, so this rank's result is void"
 
     def finish() -> None:
         try:
-            for peer, handle, region, start, stop in pending:
+            for peer, handle, region, start, stop, last_size in pending:
+                wire = transport.received(handle)
+                if last_size is not None:
+                    statuses[peer] = wire[last_size:].view(torch.uint8)[: _header.STATUS_BYTES]
+                    wire = wire[:last_size]
+                if region is None:
+                    continue
                 try:
-                    wire = transport.received(handle)
                     _decode(wire, region, start, stop)
                 except Exception:
-                    # A peer that failed half-way sent zeros: say so rather
-                    # than what decoding them did.
-                    if peer in trailers and (why := trailer_problems([peer])):
+                    # A peer that failed sent zeros: say so rather than
+                    # what decoding them did.
+                    _receive_statuses()
+                    if why := status_problems():
                         raise CodecError(why) from None
                     raise
-            why = trailer_problems(sorted(trailers))
-            if why:
+            if why := status_problems():
                 raise CodecError(why)
         except BaseException:
             transport.abandon()
             raise
         transport.close()
+
+    def _receive_statuses() -> None:
+        for peer, handle, _, _, _, last_size in pending:
+            if last_size is not None and peer not in statuses:
+                tail = transport.received(handle)[last_size:]
+                statuses[peer] = tail.view(torch.uint8)[: _header.STATUS_BYTES]
 
     def _decode(wire: torch.Tensor, region: Region, start: int, stop: int) -> None:
         target = region.target(start, stop)
@@ -314,30 +343,45 @@ def start_exchange(
     return finish
 
 
+def _flows(
+    peers: list[int],
+    incoming: list[tuple[int, Region | None, int, int, int]],
+    outgoing: list[tuple[list[int], Region | None, int, int, int]],
+) -> dict[int, tuple[_header.Flow, _header.Flow]]:
+    """What this rank sends each peer and expects from it: elements and chunk wire sizes."""
+    sends: dict[int, list[Any]] = {p: [0, []] for p in peers}
+    expects: dict[int, list[Any]] = {p: [0, []] for p in peers}
+    for to, region, start, stop, size in outgoing:
+        for p in to:
+            if region is not None:
+                sends[p][0] += stop - start
+                sends[p][1].append(size)
+    for p, region, start, stop, size in incoming:
+        if region is not None:
+            expects[p][0] += stop - start
+            expects[p][1].append(size)
+    return {
+        p: (
+            _header.Flow(sends[p][0], tuple(sends[p][1])),
+            _header.Flow(expects[p][0], tuple(expects[p][1])),
+        )
+        for p in peers
+    }
+
+
 def _announce(
     peers: list[int],
-    incoming: list[tuple[int, Region, int, int, int]],
-    outgoing: list[tuple[list[int], Region, int, int, int]],
-    codec: Any,
+    flows: dict[int, tuple[_header.Flow, _header.Flow]],
+    print_: int,
+    name: str,
     dtype: torch.dtype,
     transport: Transport,
     call: str,
 ) -> dict[int, tuple[_header.Header, Any]]:
     """Sends this rank's header to every peer and posts theirs."""
-    sends: dict[int, list[Any]] = {p: [0, []] for p in peers}
-    expects: dict[int, list[Any]] = {p: [0, []] for p in peers}
-    for to, _, start, stop, size in outgoing:
-        for p in to:
-            sends[p][0] += stop - start
-            sends[p][1].append(size)
-    for p, _, start, stop, size in incoming:
-        expects[p][0] += stop - start
-        expects[p][1].append(size)
-    print_, name = fingerprint(codec)
     headers = {}
     for p in peers:
-        sent = _header.Flow(sends[p][0], tuple(sends[p][1]))
-        expected = _header.Flow(expects[p][0], tuple(expects[p][1]))
+        sent, expected = flows[p]
         mine = _header.Header(_header.OK, call, print_, str(dtype), sent, expected, name)
         headers[p] = (mine, transport.expect_control(p))
     for p in peers:
@@ -348,11 +392,11 @@ def _announce(
 
 def _check(
     headers: dict[int, tuple[_header.Header, Any]], transport: Transport, call: str
-) -> tuple[set[int], CodecError | None]:
-    """Reads every peer's header: the peers that agree, and what differs."""
+) -> tuple[set[int], CodecError | None, bool]:
+    """Reads every peer's header: the peers that agree, what differs, and whether one failed."""
+    blobs = {p: transport.control(handle) for p, (_, handle) in headers.items()}
     said = {
-        p: _header.problems(mine, p, transport.rank, transport.control(handle))
-        for p, (mine, handle) in headers.items()
+        p: _header.problems(mine, p, transport.rank, blobs[p]) for p, (mine, _) in headers.items()
     }
     for p, problems in said.items():
         if problems:
@@ -361,4 +405,5 @@ def _check(
             transport.forget(p)
     wrong = [text for problems in said.values() for text in problems]
     agreed = {p for p, problems in said.items() if not problems}
-    return agreed, CodecError(f"{call}: {'; '.join(wrong)}") if wrong else None
+    failed = any(_header.failed(blob) for blob in blobs.values())
+    return agreed, CodecError(f"{call}: {'; '.join(wrong)}") if wrong else None, failed

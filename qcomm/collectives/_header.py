@@ -1,13 +1,18 @@
 """
-The header and trailer each pair of ranks exchanges with the data of every
-call under ``QCOMM_VERIFY=1`` on gloo (docs/collectives.rst, "Mistakes and
-failures", says what they catch).
+What each pair of ranks tells the other with the data of a call
+(docs/collectives.rst, "Mistakes and failures", says what it catches):
 
-A rank posts its data receives only once the headers agree, so a mismatch
-raises on both ranks before any data moves. A rank that fails after its
-header went out still sends chunks of the promised sizes (zeros), then a
-failed trailer, so that no peer waits. Both are :data:`SIZE` bytes: 16 int64
-fields, then UTF-8 text (the codec's name, or the error).
+- On every call, in-band: the last message to each peer ends with a
+  :data:`STATUS_BYTES`-byte status (whether this rank's whole call went
+  well, and a hash of the call as this rank sees it: the call's number on
+  its group, the collective and pass, the codec's fingerprint, the dtype and
+  the sizes). A rank that fails after the receives were posted still sends
+  what it promised (zeros), with a failed status, so that no peer waits and
+  none uses the zeros.
+- Under ``QCOMM_VERIFY=1``, a header before the data: :data:`SIZE` bytes,
+  16 int64 fields then UTF-8 text (the codec's name, or the error). Data
+  moves only once the headers agree, so a mismatch raises on both ranks
+  before anything is sent.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 from qcomm.collectives._describe import hash64
 
 SIZE = 512
+STATUS_BYTES = 16
+_STATUS_MAGIC = 0x51535441  # "QSTA"
 _MAGIC = 0x51434F4D4D484452  # "QCOMMHDR"
 # Bumped whenever the layout changes, so that ranks running different qcomm
 # versions are told so instead of misreading each other.
@@ -121,3 +128,43 @@ def _flow(fields: list[int], other: Flow) -> str:
         f"{elements} elements in {chunks} chunk{'s' if chunks != 1 else ''} of {wire} wire elements"
     )
     return text + (" (other chunk sizes)" if fields[:3] == other.fields()[:3] else "")
+
+
+def identity(call: str, number: int, codec: int, dtype: str, flow: Flow) -> int:
+    """The hash a status carries: the call as one side of a pair sees it."""
+    return hash64(f"{number}|{call}|{codec}|{dtype}|{flow.elements}|{flow.sizes}")
+
+
+def status_elements(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` that hold a status (at the end of a peer's last message)."""
+    return -(-STATUS_BYTES // dtype.itemsize)
+
+
+def status(ok: bool, identity: int) -> torch.Tensor:
+    """A status as :data:`STATUS_BYTES` bytes (uint8, 1-D, CPU)."""
+    blob = struct.pack("<IIq", _STATUS_MAGIC, OK if ok else FAILED, identity)
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def status_problem(blob: bytes, expected: int, peer: int) -> str | None:
+    """What a peer's status says is wrong (``None``: its call went well and is this rank's)."""
+    magic, state, said = struct.unpack_from("<IIq", blob)
+    if magic != _STATUS_MAGIC:
+        return (
+            f"rank {peer} sent fewer elements than this rank expects, or runs a qcomm "
+            "version without call statuses"
+        )
+    if state != OK:
+        return f"rank {peer} failed during the call (its own error says why)"
+    if said != expected:
+        return (
+            f"rank {peer} made another call: a different collective or pass, codec, dtype, "
+            "sizes or number of earlier calls (QCOMM_VERIFY=1 says which)"
+        )
+    return None
+
+
+def failed(blob: torch.Tensor) -> bool:
+    """Whether a header says its rank failed before the call started."""
+    fields = struct.unpack_from(_FORMAT, blob.numpy().tobytes())
+    return bool(fields[0] == _MAGIC and fields[2] != OK)

@@ -7,10 +7,15 @@ receive at once and sends each chunk as its own message; chunks from one peer
 match in order, as gloo keeps the order of messages between two ranks with one
 tag. :class:`OneAllToAll` (NCCL, any other backend) runs the backend's
 all-to-all once per call. Why: docs/collectives.rst, "Pipelined, full duplex".
+
+``QCOMM_TRANSPORT`` forces one of them (``all_to_all`` runs NCCL's transport
+over gloo on CPU, which is how the tests cover it without a GPU); it must be
+the same on every rank, and the agreement check says so when it is not.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import weakref
 from typing import Any
@@ -19,14 +24,20 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives import _buffers, _header
-from qcomm.collectives._agreement import ENV
 
-# Every call on a group gets a tag of its own, counted alike on every rank
-# (the ranks make the same calls in the same order): messages of a call that
-# failed half-way can never be taken for those of a later call, and a user's
-# own point-to-point messages (tag 0 by default) never mix with qcomm's. Its
-# headers and trailers travel under a second tag, so that they can never be
-# matched with data.
+ENV = "QCOMM_TRANSPORT"
+CHOICES = ("point_to_point", "all_to_all")
+#: Transports opened in this process, by class name: what tests count to
+#: prove which path a call took.
+opened: collections.Counter[str] = collections.Counter()
+
+# Every call on a group gets a number of its own, counted alike on every rank
+# (the ranks make the same calls in the same order). On point-to-point it is
+# the call's tag: messages of a call that failed half-way can never be taken
+# for those of a later call, and a user's own point-to-point messages (tag 0
+# by default) never mix with qcomm's. Its headers travel under a second tag,
+# so that they can never be matched with data. The number also goes into
+# every call's in-band status (see ``_header.identity``).
 _FIRST_TAG = 1 << 30
 _TAGS = 1 << 29
 _calls: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
@@ -39,18 +50,55 @@ _KEEP_ABANDONED = 32
 _ALIGN = 64
 
 
-def open_transport(group: dist.ProcessGroup, rank: int, device: torch.device) -> Transport:
-    """The transport of one call: point-to-point on gloo with CPU tensors, else one all-to-all."""
-    if device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower():
-        count = _calls.get(group, 0)
-        _calls[group] = count + 1
-        transport = PointToPoint(group, rank, device, _FIRST_TAG + count % _TAGS)
-        # Headers cost two gloo messages per pair and call, which on small
-        # calls is far more than 5% (see the collectives docs): they are sent
-        # where every call is checked, QCOMM_VERIFY=1 (alike on all ranks).
-        transport.checked = os.environ.get(ENV, "").strip() == "1"
-        return transport
-    return OneAllToAll(group, rank, device)
+def choice() -> str | None:
+    """The transport ``QCOMM_TRANSPORT`` forces, or ``None`` (unset or ``auto``: the backend's own)."""
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in CHOICES:
+        return raw
+    raise ValueError(
+        f"{ENV}: expected 'all_to_all' (one all-to-all per call, NCCL's transport), "
+        f"'point_to_point' (gloo on CPU only) or unset/'auto' (each backend's own), got {raw!r}"
+    )
+
+
+def _gloo_cpu(group: dist.ProcessGroup, device: torch.device) -> bool:
+    return device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower()
+
+
+def kind(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The transport a call on ``group`` with tensors on ``device`` takes: one of :data:`CHOICES`."""
+    forced = choice()
+    if forced == "point_to_point" and not _gloo_cpu(group, device):
+        raise ValueError(
+            f"{ENV}=point_to_point: expected gloo with CPU tensors, got backend "
+            f"{dist.get_backend(group)} with tensors on {device}"
+        )
+    if forced is not None:
+        return forced
+    return "point_to_point" if _gloo_cpu(group, device) else "all_to_all"
+
+
+def open_transport(
+    group: dist.ProcessGroup, rank: int, device: torch.device, checked: bool = False
+) -> Transport:
+    """
+    The transport of one call; ``checked``: exchange headers before the data
+    (``QCOMM_VERIFY=1``, decided alike on every rank by the caller).
+    """
+    how = kind(group, device)
+    number = _calls.get(group, 0)
+    _calls[group] = number + 1
+    transport: Transport
+    if how == "point_to_point":
+        transport = PointToPoint(group, rank, device, _FIRST_TAG + number % _TAGS)
+    else:
+        transport = OneAllToAll(group, rank, device)
+    transport.number = number
+    transport.checked = checked
+    opened[type(transport).__name__] += 1
+    return transport
 
 
 def _aligned(numel: int, dtype: torch.dtype) -> int:
@@ -63,13 +111,16 @@ class Transport:
 
     #: whether a peer's data may travel as several messages (chunks)
     chunked = False
-    #: whether the call exchanges headers and trailers (see ``_header``)
+    #: whether the call exchanges headers before its data (see ``_header``)
     checked = False
+    #: the call's number on its group, alike on every rank
+    number = 0
 
     def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
         self.group = group
         self.rank = rank
         self.device = device
+        self.world = dist.get_world_size(group)
         # Declared receives: (peer, offset in the shared buffer, numel, own tensor).
         self._recvs: list[tuple[int, int, int, torch.Tensor | None]] = []
         self._end = 0
@@ -77,8 +128,11 @@ class Transport:
         self._buffer: torch.Tensor | None = None
         self._sends: list[tuple[int, torch.Tensor]] = []
         #: whether this rank's headers have gone out (then a failure is told
-        #: in its trailers, not by :meth:`fail`)
+        #: in-band, with the data, not by :meth:`fail`)
         self.announced = False
+        #: whether the peers already know that this call failed here (the
+        #: agreement check told them): :meth:`fail` then says nothing
+        self.told = False
 
     def expect(
         self, peer: int, numel: int, dtype: torch.dtype, into: torch.Tensor | None = None
@@ -96,10 +150,14 @@ class Transport:
     def start(self) -> None:
         """Posts the declared receives, where the backend allows it before any send."""
 
-    def send(self, peer: int, wire: torch.Tensor) -> None:
-        """Sends a contiguous 1-D wire to ``peer``; it must stay unchanged until :meth:`close`."""
+    def send(self, peer: int, wire: torch.Tensor, status: torch.Tensor | None = None) -> None:
+        """
+        Sends a contiguous 1-D wire to ``peer``, followed by ``status`` (CPU
+        bytes, padded to whole elements: see ``_header.status_elements``) where
+        given; the wire must stay unchanged until :meth:`close`.
+        """
         self._dtype = wire.dtype
-        self._sends.append((peer, wire))
+        self._sends.append((peer, wire if status is None else _joined(wire, status)))
 
     def flush(self) -> None:
         """Called after the last send: a transport that sends everything at once does it here."""
@@ -133,23 +191,25 @@ class Transport:
         """Stops waiting for what was sent to ``peer``, which takes no further part in the call."""
 
     def expect_control(self, peer: int) -> Any:
-        """Posts the receive of a header or trailer from ``peer`` (only where :attr:`checked`)."""
+        """Posts the receive of a header from ``peer`` (only where :attr:`checked`)."""
         raise NotImplementedError
 
     def send_control(self, peer: int, blob: torch.Tensor) -> None:
-        """Sends a header or trailer to ``peer`` (only where :attr:`checked`)."""
+        """Sends a header to ``peer`` (only where :attr:`checked`)."""
         raise NotImplementedError
 
     def control(self, handle: Any) -> torch.Tensor:
-        """Waits for a header or trailer posted with :meth:`expect_control`."""
+        """Waits for a header posted with :meth:`expect_control` (a CPU tensor)."""
         raise NotImplementedError
 
     def fail(self, call: str, error: BaseException, peers: list[int]) -> None:
         """Tells ``peers`` (where it can) that this rank cannot take part, and abandons the call."""
-        if self.checked and not self.announced:
+        if self.checked and not self.announced and not self.told:
             blob = _header.fail(call, error).pack()
             for peer in peers:
+                self.expect_control(peer)
                 self.send_control(peer, blob)
+            self.control(None)
         self.abandon()
 
 
@@ -157,7 +217,6 @@ class PointToPoint(Transport):
     """Each receive and each send its own message, receives posted first (gloo)."""
 
     chunked = True
-    checked = True
 
     def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device, tag: int) -> None:
         super().__init__(group, rank, device)
@@ -183,6 +242,8 @@ class PointToPoint(Transport):
         self._forgotten.add(peer)
 
     def control(self, handle: Any) -> torch.Tensor:
+        if handle is None:  # fail(): nothing to wait for, the sends go on
+            return torch.empty(0, dtype=torch.uint8)
         blob: torch.Tensor
         blob, work = self._control_recv[handle]
         if work is not None:
@@ -200,10 +261,11 @@ class PointToPoint(Transport):
             target = into.view(-1) if into is not None else buffer[offset : offset + numel]  # type: ignore[index]
             self._recv_work.append(self.group.recv([target], peer, self.tag))
 
-    def send(self, peer: int, wire: torch.Tensor) -> None:
-        super().send(peer, wire)
-        if wire.numel():
-            self._send_work.append((peer, self.group.send([wire], peer, self.tag)))
+    def send(self, peer: int, wire: torch.Tensor, status: torch.Tensor | None = None) -> None:
+        super().send(peer, wire, status)
+        message = self._sends[-1][1]
+        if message.numel():
+            self._send_work.append((peer, self.group.send([message], peer, self.tag)))
 
     def _wait_for(self, handle: int) -> None:
         work = self._recv_work[handle]
@@ -227,34 +289,83 @@ class PointToPoint(Transport):
 
 
 class OneAllToAll(Transport):
-    """One all-to-all of the backend per call, at most one send and one receive per peer."""
+    """
+    One all-to-all of the backend per call, at most one send and one receive
+    per peer: every wire (and status) is copied once, into its place in the
+    send buffer. Headers, where checked, travel in one small all-to-all of
+    their own before the data.
+    """
+
+    def send(self, peer: int, wire: torch.Tensor, status: torch.Tensor | None = None) -> None:
+        # Laid out (copied) once, in flush(): no joined copy first.
+        self._dtype = wire.dtype
+        self._pieces.append((peer, wire, status))
 
     def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
         super().__init__(group, rank, device)
         self._work: Any = None
+        self._keep: list[torch.Tensor] = []
+        self._control_out: dict[int, torch.Tensor] = {}
+        self._control_in: torch.Tensor | None = None
+        self._forgotten: set[int] = set()
+        self._pieces: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+
+    def expect(
+        self, peer: int, numel: int, dtype: torch.dtype, into: torch.Tensor | None = None
+    ) -> int:
+        # Every peer's data lands in the shared buffer, laid out by flush().
+        return super().expect(peer, numel, dtype)
+
+    def forget(self, peer: int) -> None:
+        self._forgotten.add(peer)
+
+    def expect_control(self, peer: int) -> Any:
+        return peer
+
+    def send_control(self, peer: int, blob: torch.Tensor) -> None:
+        self._control_out[peer] = blob
+
+    def control(self, handle: Any) -> torch.Tensor:
+        if self._control_in is None:
+            # Every rank's headers to every rank at once, the first time one
+            # is read (fail() reads none: it only sends).
+            size = _header.SIZE
+            send = torch.zeros(self.world * size, dtype=torch.uint8)
+            for peer, blob in self._control_out.items():
+                send[peer * size : (peer + 1) * size] = blob
+            recv = torch.empty_like(send)
+            device = self.device if self.device.type != "meta" else torch.device("cpu")
+            out = recv.to(device)
+            dist.all_to_all_single(out, send.to(device), group=self.group)
+            self._control_in = out.cpu()
+        if handle is None:
+            return self._control_in
+        return self._control_in[handle * _header.SIZE : (handle + 1) * _header.SIZE]
 
     def flush(self) -> None:
-        world = dist.get_world_size(self.group)
-        send_sizes, recv_sizes = [0] * world, [0] * world
-        by_peer: dict[int, torch.Tensor] = {}
-        for peer, wire in self._sends:
-            if peer in by_peer:
+        send_sizes, recv_sizes = [0] * self.world, [0] * self.world
+        for peer, wire, status in self._pieces:
+            if send_sizes[peer]:
                 raise AssertionError("qcomm: one all-to-all carries one send per peer")
-            by_peer[peer] = wire
-            send_sizes[peer] = _aligned(wire.numel(), self._dtype)
+            numel = wire.numel() + _status_elements(status, self._dtype)
+            # Aligned, as a point-to-point receive would be (codecs view
+            # in-band scales); the peer pads its receive alike.
+            send_sizes[peer] = _aligned(numel, self._dtype)
         for peer, _, numel, _ in self._recvs:
-            recv_sizes[peer] = _aligned(numel, self._dtype)
+            if peer not in self._forgotten:
+                recv_sizes[peer] = _aligned(numel, self._dtype)
+        if self.world == 1:
+            return  # no peers: no communication at all
         send = torch.empty(sum(send_sizes), dtype=self._dtype, device=self.device)
-        start = 0
-        for peer in range(world):
-            if peer in by_peer:
-                send[start : start + by_peer[peer].numel()].copy_(by_peer[peer])
-            start += send_sizes[peer]
+        starts = [sum(send_sizes[:p]) for p in range(self.world)]
+        for peer, wire, status in self._pieces:
+            _write(send[starts[peer] : starts[peer] + send_sizes[peer]], wire, status)
+        self._pieces = []
         # The all-to-all delivers in peer order: lay the receives out so.
-        starts = [sum(recv_sizes[:peer]) for peer in range(world)]
+        starts = [sum(recv_sizes[:p]) for p in range(self.world)]
         self._recvs = [(peer, starts[peer], numel, None) for peer, _, numel, _ in self._recvs]
         recv = self._shared(sum(recv_sizes))
-        self._send_buffer = send
+        self._keep = [send]
         self._work = dist.all_to_all_single(
             recv, send, recv_sizes, send_sizes, group=self.group, async_op=True
         )
@@ -266,4 +377,25 @@ class OneAllToAll(Transport):
 
     def close(self) -> None:
         self._wait_for(0)
+        self._keep = []
         super().close()
+
+
+def _status_elements(status: torch.Tensor | None, dtype: torch.dtype) -> int:
+    return 0 if status is None else -(-status.numel() // dtype.itemsize)
+
+
+def _write(out: torch.Tensor, wire: torch.Tensor, status: torch.Tensor | None) -> None:
+    """Writes ``wire`` then ``status``'s bytes into ``out``."""
+    out[: wire.numel()].copy_(wire)
+    if status is not None:
+        tail = out[wire.numel() :].view(torch.uint8)
+        tail[: status.numel()].copy_(status, non_blocking=True)
+
+
+def _joined(wire: torch.Tensor, status: torch.Tensor) -> torch.Tensor:
+    """``wire`` followed by ``status``, as one new tensor."""
+    size = wire.numel() + _status_elements(status, wire.dtype)
+    out = torch.empty(size, dtype=wire.dtype, device=wire.device)
+    _write(out, wire, status)
+    return out

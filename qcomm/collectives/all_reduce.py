@@ -17,8 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives._args import check_chunk_bytes, check_codec, check_input, resolve_group
+from qcomm.collectives._args import check_chunk_bytes, check_codec, check_input
 from qcomm.collectives._buffers import lease
+from qcomm.collectives._call import Call, begin
 from qcomm.collectives._exchange import Flat, recv_order, send_order, start_exchange
 from qcomm.collectives._transport import Transport, open_transport
 from qcomm.collectives._wire import checked_decode, is_identity, padded_lengths
@@ -241,8 +242,9 @@ def all_reduce(
     .. note::
         Every rank of ``group`` must make the same calls, in the same order,
         with buffers of the same length and dtype, the same codecs and the
-        same ``average``, ``chunk_bytes`` and use of ``residuals``. The call
-        returns when the buffer holds the result.
+        same ``average``, ``chunk_bytes`` and use of ``residuals``; the
+        first call on each group checks that they do, as the other
+        collectives do. The call returns when the buffer holds the result.
 
     Args:
         buffer (Tensor): 1-D contiguous floating-point tensor; overwritten.
@@ -269,9 +271,9 @@ def all_reduce(
             follow the contract.
         ValueError: if ``buffer`` is not 1-D and contiguous, ``chunk_bytes``
             is not positive, or ``residuals`` does not fit the buffer.
-        CodecError: if a codec fails or breaks its contract, or (with
-            ``QCOMM_VERIFY=1``) the ranks' calls disagree; unchecked, such
-            ranks exchange garbage or abort, as with any collective.
+        CodecError: if a codec fails or breaks its contract, on this rank or
+            another, or the ranks' calls disagree (checked as for the other
+            collectives: see :mod:`qcomm.collectives`).
 
     Examples::
 
@@ -281,37 +283,50 @@ def all_reduce(
         [1.0, 1.0, 1.0, 1.0]
         >>> dist.destroy_process_group()
     """
-    pg, rank, world = resolve_group(group)
-    check_input(buffer, "buffer", pg, ndim=1)
-    if not buffer.is_contiguous():
-        raise ValueError("buffer: expected a contiguous tensor")
-    if not isinstance(average, bool):
-        raise TypeError(f"average: expected a bool, got {type(average).__name__} {average!r}")
-    if residuals is not None and not isinstance(residuals, Residuals):
-        raise TypeError(f"residuals: expected a Residuals or None, got {type(residuals).__name__}")
-    chunk = check_chunk_bytes(chunk_bytes)
-    codecs = []
-    for name, codec in (("reduce_codec", reduce_codec), ("gather_codec", gather_codec)):
-        codec = NoOpQuantizedCommCodec(buffer.dtype) if codec is None else codec
-        check_codec(codec, name, buffer.device, pg)
-        codecs.append(codec)
-    bounds = layout(buffer.numel(), world, granule(*codecs))
-    if all(is_identity(codec, buffer.dtype) for codec in codecs):
-        residuals = None  # nothing is lost, nothing to keep
-    if residuals is not None:
-        _check_residuals(residuals, buffer.numel(), bounds[rank + 1] - bounds[rank], buffer.device)
-    if world == 1 or buffer.numel() == 0:
-        return buffer
-    call = _Call(buffer, pg, rank, world, bounds, residuals, chunk)
-    try:
-        shard = call.reduce_scatter(codecs[0])
-        call.all_gather(codecs[1], shard, average)
-    except BaseException:
-        for transport in call.transports:
-            transport.abandon()
-        if residuals is not None:
-            residuals.scatter = residuals.gather = None
-        raise
+    with begin("all_reduce", group, buffer, "all_reduce") as call:
+        pg, rank, world = call.group, call.rank, call.world
+        with call.agreement("all_reduce", buffer) as agree:
+            check_input(buffer, "buffer", pg, ndim=1)
+            if not buffer.is_contiguous():
+                raise ValueError("buffer: expected a contiguous tensor")
+            if not isinstance(average, bool):
+                raise TypeError(
+                    f"average: expected a bool, got {type(average).__name__} {average!r}"
+                )
+            if residuals is not None and not isinstance(residuals, Residuals):
+                raise TypeError(
+                    f"residuals: expected a Residuals or None, got {type(residuals).__name__}"
+                )
+            chunk = check_chunk_bytes(chunk_bytes)
+            codecs = []
+            for name, codec in (("reduce_codec", reduce_codec), ("gather_codec", gather_codec)):
+                codec = NoOpQuantizedCommCodec(buffer.dtype) if codec is None else codec
+                check_codec(codec, name, buffer.device, pg)
+                codecs.append(codec)
+            bounds = layout(buffer.numel(), world, granule(*codecs))
+            if all(is_identity(codec, buffer.dtype) for codec in codecs):
+                residuals = None  # nothing is lost, nothing to keep
+            if residuals is not None:
+                own = bounds[rank + 1] - bounds[rank]
+                _check_residuals(residuals, buffer.numel(), own, buffer.device)
+            agree.same("buffer", f"{buffer.numel()} elements of {buffer.dtype}")
+            agree.same("reduce_codec", codecs[0])
+            agree.same("gather_codec", codecs[1])
+            agree.same("average", str(average))
+            agree.same("residuals", "error feedback" if residuals is not None else "none")
+            agree.same("chunk_bytes", [chunk or 0])
+        if world == 1 or buffer.numel() == 0:
+            return buffer  # nothing to move: no communication at all
+        state = _Call(buffer, call, bounds, residuals, chunk)
+        try:
+            shard = state.reduce_scatter(codecs[0])
+            state.all_gather(codecs[1], shard, average)
+        except BaseException:
+            for transport in state.transports:
+                transport.abandon()
+            if residuals is not None:
+                residuals.scatter = residuals.gather = None
+            raise
     return buffer
 
 
@@ -321,19 +336,18 @@ class _Call:
     def __init__(
         self,
         buffer: torch.Tensor,
-        group: dist.ProcessGroup,
-        rank: int,
-        world: int,
+        call: Call,
         bounds: list[int],
         residuals: Residuals | None,
         chunk_bytes: int | None,
     ) -> None:
         self.buffer = buffer
-        self.group = group
-        self.rank = rank
-        self.world = world
+        self.call = call
+        self.group = call.group
+        self.rank = call.rank
+        self.world = call.world
         self.bounds = bounds
-        self.lengths = [bounds[r + 1] - bounds[r] for r in range(world)]
+        self.lengths = [bounds[r + 1] - bounds[r] for r in range(self.world)]
         self.residuals = residuals
         self.chunk_bytes = chunk_bytes
         self.transports: list[Transport] = []
@@ -342,7 +356,13 @@ class _Call:
         return self.buffer[self.bounds[r] : self.bounds[r + 1]]
 
     def _open(self) -> Transport:
-        transport = open_transport(self.group, self.rank, self.buffer.device)
+        # The call's own transport first, then one per later exchange, which
+        # becomes the call's: a failure before its headers is told there.
+        transport = self.call.transport
+        if self.transports:
+            checked = transport.checked
+            transport = open_transport(self.group, self.rank, self.buffer.device, checked)
+            self.call.transport = transport
         self.transports.append(transport)
         return transport
 

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from qcomm.awaitable import Awaitable
-from qcomm.collectives._agreement import Agreement
 from qcomm.collectives._args import (
     check_chunk_bytes,
     check_flag,
@@ -26,7 +25,6 @@ from qcomm.collectives._call import Call, begin
 from qcomm.collectives._exchange import Rows, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
 from qcomm.collectives._wire import padded_lengths
-from qcomm.types import CommOp
 
 __all__ = ["all_to_all_pooled"]
 
@@ -94,11 +92,9 @@ def all_to_all_pooled(
         torch.Size([4, 3])
         >>> dist.destroy_process_group()
     """
-    with begin(
-        "all_to_all_pooled forward", group, input, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL
-    ) as call:
+    with begin("all_to_all_pooled forward", group, input, "all_to_all_pooled") as call:
         pg, rank, world = call.group, call.rank, call.world
-        with Agreement(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL, pg, rank, world, input) as agree:
+        with call.agreement("all_to_all_pooled", input) as agree:
             check_input(input, "input", pg, ndim=2)
             batches = check_splits(
                 batch_size_per_rank, "batch_size_per_rank", world, input.shape[0], "input.shape[0]"

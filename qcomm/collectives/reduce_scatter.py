@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from qcomm.awaitable import Awaitable
-from qcomm.collectives._agreement import Agreement
 from qcomm.collectives._args import (
     check_chunk_bytes,
     check_flag,
@@ -28,7 +27,6 @@ from qcomm.collectives._call import Call, begin
 from qcomm.collectives._exchange import Flat, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
 from qcomm.collectives._wire import padded_lengths
-from qcomm.types import CommOp
 
 __all__ = ["reduce_scatter_pooled"]
 
@@ -99,11 +97,9 @@ def reduce_scatter_pooled(
         6.0
         >>> dist.destroy_process_group()
     """
-    with begin(
-        "reduce_scatter_pooled forward", group, input, CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER
-    ) as call:
-        pg, rank, world = call.group, call.rank, call.world
-        with Agreement(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER, pg, rank, world, input) as agree:
+    with begin("reduce_scatter_pooled forward", group, input, "reduce_scatter_pooled") as call:
+        pg, world = call.group, call.world
+        with call.agreement("reduce_scatter_pooled", input) as agree:
             check_input(input, "input", pg)
             rows = input.shape[0]
             if input_splits is None:

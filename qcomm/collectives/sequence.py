@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from qcomm.awaitable import Awaitable
-from qcomm.collectives._agreement import Agreement
 from qcomm.collectives._args import (
     check_chunk_bytes,
     check_input,
@@ -25,7 +24,6 @@ from qcomm.collectives._call import Call, begin
 from qcomm.collectives._exchange import Flat, offsets, recv_order, send_order, start_exchange
 from qcomm.collectives._pending import Pending
 from qcomm.collectives._wire import padded_lengths
-from qcomm.types import CommOp
 
 __all__ = ["all_to_all_sequence"]
 
@@ -89,11 +87,9 @@ def all_to_all_sequence(
         True
         >>> dist.destroy_process_group()
     """
-    with begin(
-        "all_to_all_sequence forward", group, input, CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL
-    ) as call:
-        pg, rank, world = call.group, call.rank, call.world
-        with Agreement(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL, pg, rank, world, input) as agree:
+    with begin("all_to_all_sequence forward", group, input, "all_to_all_sequence") as call:
+        pg, world = call.group, call.world
+        with call.agreement("all_to_all_sequence", input) as agree:
             check_input(input, "input", pg)
             sends = check_splits(
                 input_splits, "input_splits", world, input.shape[0], "input.shape[0]"
