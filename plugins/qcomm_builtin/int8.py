@@ -2,6 +2,8 @@ r"""
 The ``int8`` codec: row-wise min/max 8-bit quantization in fbgemm's fused
 format (``FloatToFused8BitRowwiseQuantized``). On CPU it runs qcomm's C
 kernels, else fbgemm's, else torch code: the same bytes and values (tested).
+On other devices it runs the torch code, which reads nothing back to the host,
+and decodes with fbgemm's CUDA kernel where that is loaded.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 
 from qcomm import BlockCodec, CodecInfo
-from qcomm_builtin._fbgemm import fbgemm_ops
+from qcomm_builtin._fbgemm import cuda_op, fbgemm_ops
 from qcomm_builtin._native import kernels, lines_of
 
 __all__ = ["DEFAULT_ROW_DIM", "Int8Codec"]
@@ -40,21 +42,27 @@ def _quantize_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
     rng = mx - mn
     scale = rng / torch.full_like(rng, 255.0)
     inverse = torch.full_like(rng, 255.0) / (rng + _EPSILON)
+    # A row holding NaN or +-Inf, or whose max - min overflows float32 (`rng`
+    # not finite), gets zero codes and a NaN scale and bias: it decodes to NaN.
+    # The NaN in the wire is all the receiver needs, so nothing about bad rows
+    # has to reach the host: the mask goes over every row without asking
+    # whether any is bad (on CUDA, asking waits for the device). The codes
+    # need no mask: in a bad row `inverse` is 0 or NaN, so each code is 0 or
+    # NaN, and NaN becomes 0.
+    bad = ~torch.isfinite(rng)
     q = (rows - mn).mul_(inverse).round_().clamp_(0, 255)
     out[:, :d] = q.nan_to_num_(0.0)
-    out[:, d:] = torch.cat([scale, mn], dim=1).view(torch.uint8)
-    _mark_bad_rows(rng.view(-1), out)
+    out[:, d:] = torch.cat([scale, mn], dim=1).masked_fill_(bad, math.nan).view(torch.uint8)
 
 
 def _mark_bad_rows(rng: torch.Tensor, out: torch.Tensor) -> None:
-    # A row holding NaN or +-Inf, or whose max - min overflows float32 (its
-    # `rng`), gets a NaN scale and bias and zero values: it decodes to NaN.
-    bad = ~torch.isfinite(rng)
-    if bool(bad.any()):
-        d = out.shape[1] - _META_BYTES
-        out[bad, :d] = 0
-        nan = torch.full((int(bad.sum()), 2), math.nan, device=out.device)
-        out[bad, d:] = nan.view(torch.uint8)
+    # What _quantize_rows does to a row whose `rng` (max - min) is not
+    # finite, done to a finished wire; branch-free, like it.
+    bad = ~torch.isfinite(rng).view(-1, 1)
+    d = out.shape[1] - _META_BYTES
+    out[:, :d].masked_fill_(bad, 0)
+    nan = torch.full((1, 2), math.nan, device=out.device).view(torch.uint8)
+    out[:, d:] = torch.where(bad, nan, out[:, d:])
 
 
 def _quantize_rows_fbgemm(ops: Any, rows: torch.Tensor) -> torch.Tensor:
@@ -62,7 +70,8 @@ def _quantize_rows_fbgemm(ops: Any, rows: torch.Tensor) -> torch.Tensor:
     # fbgemm would encode a NaN as the row's minimum. One pass clears the
     # common case: a sum is NaN or infinite whenever an element is; when it
     # only overflows (huge finite values), the exact per-row check below runs
-    # and finds nothing.
+    # and finds nothing. Reading the flag is free on CPU (no device to wait
+    # for); the marking it guards gives the bytes _quantize_rows gives.
     if not bool(torch.isfinite(rows.sum(dtype=torch.float32))):
         _mark_bad_rows(rows.amax(dim=1) - rows.amin(dim=1), out)
     return out
@@ -161,6 +170,9 @@ class Int8Codec(BlockCodec):
         rows = self.pad_blocks(flat).view(-1, self.block)
         if rows.shape[0] == 0:
             return torch.zeros(0, dtype=torch.uint8, device=rows.device)
+        # fbgemm's CPU kernel only: its CUDA kernel adds 1e-20, not 1e-8, to the
+        # range before inverting it, so its codes can differ in every row whose
+        # range is below 0.25 (where adding 1e-8 still changes a float32).
         ops = fbgemm_ops() if rows.device.type == "cpu" else None
         if ops is not None:
             return _quantize_rows_fbgemm(ops, rows).view(-1)
@@ -182,6 +194,14 @@ class Int8Codec(BlockCodec):
         ops = fbgemm_ops() if rows.device.type == "cpu" else None
         if ops is not None:
             return ops.Fused8BitRowwiseQuantizedToFloat(rows).view(-1)
+        # fbgemm's CUDA kernel: one pass instead of three. Its q * scale + bias
+        # is contracted to one fused multiply-add by nvcc, as torch's addcmul
+        # is on CUDA (tests/test_codecs_cuda.py compares them). It expects each
+        # row's codes padded to a multiple of 4 bytes: this wire's layout only
+        # when row_dim is a multiple of 4.
+        op = cuda_op("Fused8BitRowwiseQuantizedToFloat", rows) if d % 4 == 0 else None
+        if op is not None:
+            return op(rows).view(-1)
         return _dequantize_rows(rows, d)
 
     def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:

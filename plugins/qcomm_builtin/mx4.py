@@ -40,6 +40,7 @@ ROUNDING_MODES = ("nearest", "floor", "even", "stochastic", "ceil")
 _EBITS = 2
 _INF_BITS = 0x7F800000
 _NAN_EXPONENT = 255  # E8M0's NaN, which fbgemm never writes (its bytes are 0..252)
+_NAN_INF_BUCKET = 0xFF << 2  # a float32's top 11 bits with its exponent bits all ones
 
 # The E2M1 values of the codes 0..15 (bit 3 is the sign). Code 8 decodes to
 # +0.0, not -0.0, as in fbgemm's table (whose "-0" is Python's integer 0).
@@ -92,29 +93,36 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return out
 
 
+# The lookup tables are built on the device that uses them, from Python
+# scalars only: copying a CPU-built table there would wait for the device (a
+# blocking copy from pageable memory) on the first call.
+
+
 @functools.cache
 def _code_table(device: torch.device) -> torch.Tensor:
     # E2M1 code (sign included) of a scaled float32 v, indexed by its top 11
     # bits (sign, exponent, 2 mantissa bits): every threshold is a multiple
     # of 2**21 in float32 bit space, so all floats sharing those bits share
-    # one code. Scaled finite values are below 8, so NaN/Inf buckets are
-    # never used (non-finite groups are overwritten).
-    k = torch.arange(2048, dtype=torch.int32)
+    # one code. Scaled finite values are below 8, so the NaN/Inf buckets
+    # (exponent bits all ones) serve only the elements of non-finite groups,
+    # which encode_mx4 scales into them: code 0, whatever the sign.
+    k = torch.arange(2048, dtype=torch.int32, device=device)
     magnitude = ((k & 1023) << 21).view(torch.float32)
-    thresholds = torch.tensor(_THRESHOLDS, dtype=torch.float32)
-    code = (magnitude.unsqueeze(1) >= thresholds).sum(dim=1).to(torch.int32)
+    code = torch.zeros_like(k)
+    for threshold in _THRESHOLDS:
+        code += magnitude >= threshold
     code |= (k >> 10) << 3
-    return code.to(torch.uint8).to(device)
+    code = torch.where((k & _NAN_INF_BUCKET) == _NAN_INF_BUCKET, 0, code)
+    return code.to(torch.uint8)
 
 
-def _exponent_scales() -> torch.Tensor:
+def _exponent_scales(device: torch.device) -> torch.Tensor:
     # E8M0: byte e means 2**(e - 127), byte 255 means NaN. Built from bits,
     # so exact; 2**-127 is a float32 subnormal.
-    e = torch.arange(256, dtype=torch.int32)
-    scale = (e << 23).view(torch.float32).clone()
-    scale[0] = 2.0**-127
-    scale[_NAN_EXPONENT] = math.nan
-    return scale
+    e = torch.arange(256, dtype=torch.int32, device=device)
+    scale = (e << 23).view(torch.float32)
+    scale = torch.where(e == 0, 2.0**-127, scale)
+    return torch.where(e == _NAN_EXPONENT, math.nan, scale)
 
 
 @functools.cache
@@ -123,11 +131,13 @@ def _pair_table(device: torch.device) -> torch.Tensor:
     # int64 per entry: entry (e << 8) | b holds value(b & 15) * 2**(e - 127)
     # then value(b >> 4) * 2**(e - 127), the same float32 products fbgemm
     # computes (exact: the scales are powers of two). One gather decodes.
-    values = torch.tensor(_E2M1_SIGNED, dtype=torch.float32)
-    b = torch.arange(256)
-    pairs = torch.stack([values[b & 15], values[b >> 4]], dim=1)  # [256, 2]
-    table = pairs.unsqueeze(0) * _exponent_scales().view(256, 1, 1)  # [256, 256, 2]
-    return table.reshape(-1, 2).contiguous().view(torch.int64).reshape(-1).to(device)
+    b = torch.arange(256, device=device)
+    pairs = torch.zeros(256, 2, device=device)
+    for code, value in enumerate(_E2M1_SIGNED):
+        pairs[:, 0].masked_fill_((b & 15) == code, value)
+        pairs[:, 1].masked_fill_((b >> 4) == code, value)
+    table = pairs.unsqueeze(0) * _exponent_scales(device).view(256, 1, 1)  # [256, 256, 2]
+    return table.reshape(-1, 2).contiguous().view(torch.int64).reshape(-1)
 
 
 def shared_exponents(group_max: torch.Tensor, rounding: str) -> torch.Tensor:
@@ -259,8 +269,13 @@ def encode_mx4(flat: torch.Tensor, group_size: int, rounding: str) -> torch.Tens
     out[:, half] = torch.where(finite, exponent + 127, _NAN_EXPONENT).to(torch.uint8)
     # Multiplying by 2**-E (a normal float32 for every E) is exact wherever
     # the product is normal, so it equals fbgemm's division by 2**E; where
-    # it is subnormal both give code 0.
-    inverse = ((127 - exponent) << 23).view(torch.float32).unsqueeze(1)
+    # it is subnormal both give code 0. A non-finite group is multiplied by
+    # NaN instead, which lands every element in a NaN bucket of the code
+    # table (code 0): its exponent byte 255 is all the receiver needs, so
+    # nothing has to reach the host, and no pass asks whether any group is
+    # non-finite (on CUDA, asking waits for the device).
+    inverse = ((127 - exponent) << 23).view(torch.float32)
+    inverse = torch.where(finite, inverse, math.nan).unsqueeze(1)
     table = _code_table(flat.device)
     codes = torch.empty(scaled.numel(), dtype=torch.uint8, device=flat.device)
     packed = torch.empty(scaled.numel() // 2, dtype=torch.int16, device=flat.device)
@@ -275,8 +290,6 @@ def encode_mx4(flat: torch.Tensor, group_size: int, rounding: str) -> torch.Tens
         pair = c.view(torch.int16)
         p = torch.bitwise_right_shift(pair, 4, out=packed[: n // 2]).bitwise_or_(pair)
         out[start:stop, :half] = p.view(-1, half)
-    if not bool(finite.all()):
-        out[~finite, :half] = 0
     return out.view(-1)
 
 
@@ -432,6 +445,12 @@ class MX4Codec(BlockCodec):
                 table.data_ptr(),
             )
             return out
+        # Elsewhere the torch code, on CUDA too. fbgemm's CUDA operators
+        # (quantize_mx_cuda / dequantize_mx_cuda) write another wire: element
+        # 2i in the high nibble, not the low one as fbgemm's reference and
+        # Triton kernels put it, and the shared exponent from the maximum's
+        # exponent bits whatever the rounding mode; fbgemm itself sends MX4
+        # through Triton, which qcomm does not require.
         return encode_mx4(self.pad_blocks(flat).contiguous(), self.block, self._rounding)
 
     def dequantize(self, wire: torch.Tensor) -> torch.Tensor:
