@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # pip reads this file; pins torch so no CUDA build of a newer release is pulled in.
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup bench test lint docs clean
+.PHONY: setup bench gpu-check test lint docs clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,13 @@ $(STAMP): pyproject.toml constraints.txt Makefile $(wildcard plugins/*/pyproject
 bench: $(STAMP)
 	mkdir -p out
 	$(BIN)/qcomm bench --json out/bench.json --plot out/bench.png
+
+# On a machine with one CUDA GPU: the collectives, all-reduce and DDP hook on NCCL
+# and gloo, host syncs, streams, codec speed against fbgemm (docs/gpu_check.rst).
+# Exits 2 without CUDA; `$(BIN)/python tools/gpu_check.py --dry-run` runs on CPU.
+gpu-check: $(STAMP)
+	mkdir -p out
+	$(BIN)/python tools/gpu_check.py --out out/gpu_check.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
