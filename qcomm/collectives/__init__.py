@@ -14,9 +14,13 @@ and on the backward pass: :func:`~qcomm.all_to_all_pooled`,
   the backward pass if any rank does.
 - The first call of each collective on each group checks that the ranks
   agree, and a rank whose arguments are invalid makes the others raise
-  :class:`~qcomm.CodecError` naming it instead of waiting. ``QCOMM_VERIFY=1``
-  checks every call, ``QCOMM_VERIFY=0`` none; the setting must be the same
-  on all ranks (:doc:`collectives`, "Mistakes and failures").
+  :class:`~qcomm.CodecError` naming it instead of waiting. Every call then
+  carries each rank's status in-band: a codec failing on one rank makes
+  every rank raise naming it, never return zeros. ``QCOMM_VERIFY=1`` checks
+  every call in full, ``QCOMM_VERIFY=0`` only the statuses; the setting must
+  be the same on all ranks (:doc:`collectives`, "Mistakes and failures").
+- ``QCOMM_TRANSPORT=all_to_all`` forces the transport NCCL takes on any
+  backend (:doc:`collectives`, "Pipelined, full duplex").
 - ``chunk_bytes`` sets the chunk the pipeline cuts each peer's data into, in
   float32 bytes whatever the dtype; ``None`` picks it (:doc:`collectives`,
   "Pipelined, full duplex").

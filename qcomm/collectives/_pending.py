@@ -14,6 +14,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from qcomm.awaitable import Awaitable
+from qcomm.collectives import _streams
 
 
 class _Collective(torch.autograd.Function):
@@ -46,11 +47,15 @@ class Pending(Awaitable[torch.Tensor]):
         self._input = input
         self._finish = finish
         self._backward = backward
+        # Everything the call gave the current stream is issued by now.
+        self._mark = _streams.issued(input.device)
 
     def _wait_impl(self) -> torch.Tensor:
         # Function.apply is untyped in torch's stubs.
         apply: Callable[..., torch.Tensor] = _Collective.apply
+        _streams.join(self._mark)
         output = apply(self._input, self._finish, self._backward)
+        _streams.keep(self._mark, output)
         # Drop what the call held so that wait() frees the wire buffers.
         del self._input, self._finish, self._backward
         return output

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives import _buffers, _header
+from qcomm.collectives import _buffers, _header, _streams
 
 ENV = "QCOMM_TRANSPORT"
 CHOICES = ("point_to_point", "all_to_all")
@@ -173,6 +173,8 @@ class Transport:
             return into.view(-1)
         if self._buffer is None:
             return torch.empty(0, dtype=self._dtype, device=self.device)
+        # Made on the issuing stream, read where the call is waited for.
+        _streams.use_here(self._buffer)
         return self._buffer[offset : offset + numel]
 
     def close(self) -> None:
