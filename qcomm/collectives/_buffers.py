@@ -11,6 +11,7 @@ PyTorch's caching allocator: nothing is kept there.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import itertools
@@ -95,10 +96,26 @@ def _pick(pool: list[torch.Tensor], nbytes: int) -> torch.Tensor | None:
     return pool.pop(min(fits, key=lambda i: pool[i].numel())) if fits else None
 
 
+# Leases whose tensor died while the lock was held: the garbage collector
+# may run a finalizer inside lease() itself, on the thread holding the lock,
+# so a finalizer never waits for it (deque appends need no lock).
+_back: collections.deque[int] = collections.deque()
+
+
 def _returned(number: int) -> None:
-    with _lock:
-        _idle.append(_leases.pop(number))
-        del _idle[:-KEEP]
+    _back.append(number)
+    if _lock.acquire(blocking=False):
+        try:
+            _settle()
+        finally:
+            _lock.release()
+
+
+def _settle() -> None:
+    """Takes the memory of returned leases back (the caller holds the lock)."""
+    while _back:
+        _idle.append(_leases.pop(_back.popleft()))
+    del _idle[:-KEEP]
 
 
 def lease(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -114,6 +131,7 @@ def lease(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     if device.type != "cpu" or nbytes < MIN_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     with _lock:
+        _settle()
         block = _pick(_idle, nbytes)
     if block is None:
         block = empty((nbytes,), torch.uint8, device)

@@ -22,6 +22,7 @@ class _Collective(torch.autograd.Function):
     def forward(
         ctx: Any,
         input: torch.Tensor,
+        anchor: torch.Tensor,
         finish: Callable[[], torch.Tensor],
         backward: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
@@ -30,8 +31,20 @@ class _Collective(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.backward_fn(grad_output), None, None
+    def backward(
+        ctx: Any, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None]:
+        # Every rank's backward exchange runs, also where this rank's input
+        # needs no gradient (no tables, frozen ones): its peers wait for it.
+        grad_input = ctx.backward_fn(grad_output)
+        return (grad_input if ctx.needs_input_grad[0] else None), None, None, None
+
+
+# A leaf that needs a gradient, given to every call made where autograd
+# records: the output then needs a gradient on every rank, whether or not
+# this rank's input does, so that no rank skips the backward pass its peers
+# run. It never receives a gradient.
+_ANCHOR = torch.zeros((), requires_grad=True)
 
 
 class Pending(Awaitable[torch.Tensor]):
@@ -54,7 +67,7 @@ class Pending(Awaitable[torch.Tensor]):
         # Function.apply is untyped in torch's stubs.
         apply: Callable[..., torch.Tensor] = _Collective.apply
         _streams.join(self._mark)
-        output = apply(self._input, self._finish, self._backward)
+        output = apply(self._input, _ANCHOR, self._finish, self._backward)
         _streams.keep(self._mark, output)
         # Drop what the call held so that wait() frees the wire buffers.
         del self._input, self._finish, self._backward

@@ -114,10 +114,14 @@ def all_to_all_pooled(
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
         finish = _forward(input.detach(), batches, dims, forward, call, chunk)
+        # Named after its forward call: ranks that run their backward passes
+        # in different orders (outputs waited for in different orders) raise
+        # instead of swapping gradients.
+        backward_name = f"all_to_all_pooled backward of call {call.transport.number}"
     dtype = input.dtype
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
-        with begin("all_to_all_pooled backward", pg, grad) as back:
+        with begin(backward_name, pg, grad) as back:
             return _backward(grad, batches, dims, backward, back, dtype, divide, chunk)
 
     return Pending(input, finish, backward_fn)

@@ -123,10 +123,14 @@ def reduce_scatter_pooled(
         lengths = [s * math.prod(rest) for s in splits]
         dtype = input.dtype
         finish = _reduce_scatter(input.detach(), lengths, forward, call, splits, rest, chunk)
+        # Named after its forward call: ranks that run their backward passes
+        # in different orders (outputs waited for in different orders) raise
+        # instead of swapping gradients.
+        backward_name = f"reduce_scatter_pooled backward of call {call.transport.number}"
     in_shape = tuple(input.shape)
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
-        with begin("reduce_scatter_pooled backward", pg, grad) as back:
+        with begin(backward_name, pg, grad) as back:
             return _all_gather(grad, lengths, backward, back, in_shape, dtype, divide, chunk)
 
     return Pending(input, finish, backward_fn)

@@ -105,9 +105,13 @@ def all_to_all_sequence(
             agree.mirror(sends, recvs)
         dtype = input.dtype
         finish = _start(input.detach(), sends, recvs, rest, forward, call, dtype, chunk)
+        # Named after its forward call: ranks that run their backward passes
+        # in different orders (outputs waited for in different orders) raise
+        # instead of swapping gradients.
+        backward_name = f"all_to_all_sequence backward of call {call.transport.number}"
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
-        with begin("all_to_all_sequence backward", pg, grad) as back:
+        with begin(backward_name, pg, grad) as back:
             return _start(grad, recvs, sends, rest, backward, back, dtype, chunk)()
 
     return Pending(input, finish, backward_fn)
