@@ -14,12 +14,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 from qcomm._table import format_table
+from qcomm.benchmark._children import describe, end_with_parent, exit_status, stop_on_signals
 from qcomm.benchmark.command import add_bench_arguments, run_bench
 from qcomm.benchmark.options import parse_number
 from qcomm.discovery import codec_entries, load_codec
@@ -64,8 +67,12 @@ _STARTUP_S = 120.0
 _DEFAULT_TIMEOUT_S = 60.0
 
 
-def _check_worker(conn: Connection) -> None:
+def _check_worker(conn: Connection, parent: int) -> None:
     """Runs the kit on each spec it receives, saying which step it is at."""
+    # A codec that hangs never returns to Python: the kernel ends the worker
+    # with the command, and Ctrl-C reaches the command, which kills it.
+    end_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from qcomm.testing import check_codec
 
     conn.send(("ready", ""))
@@ -84,7 +91,7 @@ def _check_worker(conn: Connection) -> None:
 def _start_worker() -> tuple[Any, Connection]:
     context = multiprocessing.get_context("spawn")
     conn, child = context.Pipe()
-    process = context.Process(target=_check_worker, args=(child,), daemon=True)
+    process = context.Process(target=_check_worker, args=(child, os.getpid()), daemon=True)
     process.start()
     child.close()
     return process, conn
@@ -125,6 +132,11 @@ def _check(args: argparse.Namespace) -> int:
                 worker = None
             print(f"{'ok  ' if kind == 'ok' else 'FAIL'} {spec}: {text}", flush=True)
             status |= kind != "ok"
+    except BaseException:
+        # Interrupted or stopped: the worker may be stuck in the codec.
+        if worker is not None:
+            worker[0].kill()
+        raise
     finally:
         if worker is not None:
             with contextlib.suppress(OSError):
@@ -185,13 +197,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Args:
         argv (Sequence[str], optional): the arguments. Default: ``sys.argv[1:]``.
+
+    Returns:
+        int: the command's status; ``2`` for a codec error, and 128 plus the
+        signal's number when Ctrl-C, SIGTERM or SIGHUP stopped it (after
+        every worker and rank it started has ended).
     """
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        # SIGTERM and SIGHUP unwind like Ctrl-C, so that no worker or rank
+        # outlives the command.
+        with stop_on_signals():
+            return int(args.func(args))
     except CodecError as err:
         print(f"qcomm: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:
+        print(f"qcomm: {describe(err)}", file=sys.stderr)
+        return exit_status(err)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import importlib.metadata
 import inspect
 import os
 import sys
+import time
 from typing import Any
 
 from stevedore import NamedExtensionManager
@@ -172,24 +173,90 @@ class _Loader(NamedExtensionManager[Any]):
         return [self._entry_point]
 
 
-# Top-level package of a plugin -> (its module object, "distribution version").
+# A plugin's package -> (its module object, "distribution version").
 _LOADED: dict[str, tuple[Any, str]] = {}
 
 
-def _refuse_stale_package(entry: CodecEntry, where: str) -> str:
-    """The plugin's top-level package; raises if this process holds another version of it."""
+def _is_namespace(module: Any) -> bool:
+    return hasattr(module, "__path__") and getattr(module, "__file__", None) is None
+
+
+def _package(entry: CodecEntry) -> str:
+    """The plugin's own package: its module's first enclosing one that is not a namespace."""
     # The whole package, not the one module: a new int8 module next to the
-    # old package's shared helpers would be a mix of two versions.
-    package = entry.value.partition(":")[0].strip().partition(".")[0]
-    seen = _LOADED.get(package)
+    # old package's shared helpers would be a mix of two versions. A namespace
+    # package (``acme`` of ``acme.qcomm_fp16``) is shared by distributions.
+    parts = entry.value.partition(":")[0].strip().split(".")
+    for end in range(1, len(parts) + 1):
+        name = ".".join(parts[:end])
+        module = sys.modules.get(name)
+        if module is None or not _is_namespace(module):
+            return name
+    return ".".join(parts)
+
+
+def _process_start() -> float | None:
+    """The latest time (``time.time()`` scale) this process can have started, where Linux says."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        # The start is counted in whole clock ticks since boot: round it up.
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - (ticks + 1) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - age
+
+
+# Where the process's start is unknown (not Linux), a plugin's files that
+# changed after qcomm was imported may be newer than the code in memory.
+_IMPORTED_AT = time.time()
+
+
+def _changed_since_start(package: str) -> str | None:
+    """A file of ``package``'s imported modules changed since this process started, if any."""
+    started = _process_start() or _IMPORTED_AT
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or (name != package and not name.startswith(package + ".")):
+            continue
+        try:
+            # ctime: a new or rewritten file has a new one, whatever mtime it was given.
+            changed = os.stat(path).st_ctime > started
+        except FileNotFoundError:  # removed by the upgrade
+            changed = True
+        except OSError:  # not a plain file (inside a zip archive): no sign either way
+            continue
+        if changed:
+            return str(path)
+    return None
+
+
+def _refuse_stale_package(entry: CodecEntry, where: str) -> None:
+    """Raises if this process holds code of another version of the plugin's package."""
+    package = _package(entry)
+    loaded = sys.modules.get(package)
+    if loaded is None:
+        return
     release = f"{entry.distribution} {entry.version}"
-    if seen is not None and sys.modules.get(package) is seen[0] and seen[1] != release:
+    seen = _LOADED.get(package)
+    if seen is not None and seen[0] is loaded:
+        if seen[1] != release:
+            raise CodecError(
+                f"{where}: this process imported {package} from {seen[1]} before it was "
+                f"replaced by {release}; a package cannot be swapped safely in a running "
+                f"process, so restart the process to use {release}"
+            )
+        return
+    # Imported by someone else (the user's own code): which version it was is
+    # unknown, but if its files changed after this process started, the code
+    # in memory may be older than what they hold now.
+    changed = _changed_since_start(package)
+    if changed is not None:
         raise CodecError(
-            f"{where}: this process imported {package} from {seen[1]} before it was replaced "
-            f"by {release}; a package cannot be swapped safely in a running process, so "
-            f"restart the process to use {release}"
+            f"{where}: this process imported {package} before it was replaced on disk "
+            f"({changed} changed since the process started); a package cannot be swapped "
+            f"safely in a running process, so restart the process to use {release}"
         )
-    return package
 
 
 def _accepted_options(factory: Any) -> tuple[list[str], bool]:
@@ -233,11 +300,13 @@ def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
     entry = _entry(name)
     release = f"{entry.distribution} {entry.version}"
     where = f"codec {name!r} ({entry.value}, distribution {release})"
-    package = _refuse_stale_package(entry, where)
+    _refuse_stale_package(entry, where)
     try:
         factory = _Loader(entry)[name].plugin
     except Exception as err:
         raise CodecError(f"{where} failed to import: {type(err).__name__}: {err}") from err
+    # Now that the namespaces on the way are imported, the package is known.
+    package = _package(entry)
     loaded = sys.modules.get(package)
     if package not in _LOADED or _LOADED[package][0] is not loaded:
         _LOADED[package] = (loaded, release)

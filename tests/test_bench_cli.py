@@ -636,3 +636,41 @@ def test_figures_survive_an_output_that_fails_at_the_end(monkeypatch, tmp_path, 
     assert fallback and str(target) in captured.err
     assert json.loads(pathlib.Path(fallback.group(1)).read_text())["answer"] == 42
     pathlib.Path(fallback.group(1)).unlink()
+
+
+def test_a_dangling_link_as_output_is_written_through_at_the_end(monkeypatch, tmp_path, capsys):
+    from qcomm.benchmark import report
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "real").mkdir()
+    link, target = tmp_path / "out.json", tmp_path / "real" / "figures.json"
+    link.symlink_to(target)
+    config = _config("--json", str(link))
+    # The option check creates nothing at the target and keeps the link.
+    assert link.is_symlink() and not target.exists()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out.json", "real"]
+    monkeypatch.setattr(report, "format_report", lambda results: "TABLE")
+    report.write_report({"answer": 42}, json_path=config.json_path)
+    assert link.is_symlink() and json.loads(target.read_text())["answer"] == 42
+    # A link into a folder that does not exist is refused, and left as it was.
+    nowhere = tmp_path / "nowhere.json"
+    nowhere.symlink_to(tmp_path / "gone" / "figures.json")
+    with pytest.raises(ValueError, match=r"--plot: the folder of .*nowhere\.json.* does not exist"):
+        _config("--plot", str(nowhere))
+    assert nowhere.is_symlink() and not (tmp_path / "gone").exists()
+
+
+def test_a_block_that_does_not_divide_the_codec_tensor_fails_in_its_row(tmp_path):
+    # 16384 elements: neither rows of 48 nor groups of 6 divide them. The
+    # collectives' inputs fit the block, so the codec runs there.
+    argv = ["bench", "--codecs", "int8:row_dim=48", "--codec", "mx4:group_size=6"]
+    argv += ["--no-fbgemm", "--ops", "pooled", "--sizes", "64K", "--codec-size", "64K"]
+    argv += ["--budget", "0.01", "--rounds", "1", "--json", str(tmp_path / "out.json")]
+    assert cli_main(argv) == 1
+    results = _strict_json(tmp_path / "out.json")
+    rows = {r["codec"]: r for r in results["codecs"]}
+    for spec in ("int8:row_dim=48", "mx4:group_size=6"):
+        assert rows[spec]["status"] == "failed" and "16384 inputs" in rows[spec]["error"]
+        point = next(p for p in results["collectives"] if p["codec"] == spec)
+        assert point["status"] == "ok" and point["break_even_gbit_per_s"] is None

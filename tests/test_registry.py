@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -622,3 +623,95 @@ def test_qcomm_codecs_specs_split_like_the_cli(plugins, monkeypatch):
     monkeypatch.setenv("QCOMM_CODECS", "pooled_embeddings_all_2_all=fp16")
     with pytest.raises(CodecError, match=r"QCOMM_CODECS: unknown CommOp"):
         qcomm.build_registry()
+
+
+# Namespace packages shared by distributions; plugins the user's code imported
+
+
+def _package_dist(root: Any, dist: str, package: str, codecs: dict[str, str], version: str) -> None:
+    """A distribution whose codecs live in ``package`` (dotted; no ``__init__.py`` above it)."""
+    folder = root.joinpath(*package.split("."))
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text(GOOD_CODEC)
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = [f"{name} = {package}:{attr}" for name, attr in codecs.items()]
+    (info / "entry_points.txt").write_text("\n".join(["[qcomm.codecs]", *lines]) + "\n")
+
+
+def _run_python(code: str, *path: Any) -> str:
+    """Runs ``code`` in a fresh interpreter with ``path`` first on sys.path; its stdout."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("QCOMM_PLUGINS", None)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *map(str, path)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_distributions_sharing_a_namespace_package_both_load(tmp_path):
+    # acme-fp16 and acme-bf16 each install a package under the namespace `acme`,
+    # one beside the other (one site-packages) or in two folders of sys.path.
+    _package_dist(tmp_path / "one", "acme-fp16", "acme.qcomm_fp16", {"acme_fp16": "Codec"}, "1.0")
+    _package_dist(tmp_path / "two", "acme-bf16", "acme.qcomm_bf16", {"acme_bf16": "Codec"}, "1.0")
+    _package_dist(tmp_path / "one", "acme-int8", "acme.qcomm_int8", {"acme_int8": "Codec"}, "1.0")
+    code = """
+        import importlib, pathlib, sys
+        import qcomm
+        for name in ("acme_fp16", "acme_bf16", "acme_int8", "acme_fp16"):
+            print(name, type(qcomm.load_codec(name)).__module__)
+        # Its own package is still guarded: acme-bf16 upgraded under the process.
+        info = pathlib.Path(sys.argv[2]) / "acme_bf16-1.0.dist-info"
+        (info / "METADATA").write_text("Metadata-Version: 2.1\\nName: acme-bf16\\nVersion: 2.0\\n")
+        info.rename(info.with_name("acme_bf16-2.0.dist-info"))
+        importlib.invalidate_caches()
+        try:
+            qcomm.load_codec("acme_bf16")
+        except qcomm.CodecError as err:
+            print("refused:", err)
+        print("acme_fp16", type(qcomm.load_codec("acme_fp16")).__module__)
+    """
+    out = _run_python(code, tmp_path / "one", tmp_path / "two").splitlines()
+    assert out[:4] == [
+        "acme_fp16 acme.qcomm_fp16",
+        "acme_bf16 acme.qcomm_bf16",
+        "acme_int8 acme.qcomm_int8",
+        "acme_fp16 acme.qcomm_fp16",
+    ]
+    assert re.search(r"refused: .*imported acme\.qcomm_bf16 from acme-bf16 1\.0.*restart", out[4])
+    assert out[5] == "acme_fp16 acme.qcomm_fp16"
+
+
+def test_a_plugin_the_user_imported_then_upgraded_is_refused(tmp_path):
+    make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"})
+    make_dist(tmp_path, "kept-codecs", "kept_mod", GOOD_CODEC, {"kept": "Codec"})
+    code = """
+        import importlib, pathlib, sys
+        import good_mod, kept_mod  # the user's own code, before qcomm loads anything
+        import qcomm
+        root = pathlib.Path(sys.argv[1])
+        # pip upgrades good-codecs in place: new code, new version.
+        (root / "good_mod.py").write_text(pathlib.Path(good_mod.__file__).read_text() + "V2 = 1\\n")
+        info = root / "good_codecs-1.0.dist-info"
+        (info / "METADATA").write_text("Metadata-Version: 2.1\\nName: good-codecs\\nVersion: 2.0\\n")
+        info.rename(root / "good_codecs-2.0.dist-info")
+        importlib.invalidate_caches()
+        try:
+            codec = qcomm.load_codec("good")
+            print("loaded, new code:", hasattr(sys.modules[type(codec).__module__], "V2"))
+        except qcomm.CodecError as err:
+            print("refused:", err)
+        # What did not change since the process started loads as it is.
+        print("kept:", type(qcomm.load_codec("kept")).__module__ == kept_mod.__name__)
+    """
+    out = _run_python(code, tmp_path).splitlines()
+    assert re.search(r"refused: .*good-codecs 2\.0.*imported good_mod before.*restart", out[0]), out
+    assert out[1] == "kept: True"

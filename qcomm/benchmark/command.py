@@ -274,7 +274,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             _check_output(option, path)
-    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
+    if args.json and args.plot and os.path.realpath(args.json) == os.path.realpath(args.plot):
         raise ValueError(f"--plot: the same file as --json ({args.json!r}); give two names")
     config.json_path = os.path.abspath(args.json) if args.json else None
     config.plot_path = os.path.abspath(args.plot) if args.plot else None
@@ -307,16 +307,22 @@ def _check_output(option: str, path: str) -> None:
     """Refuses an output path that cannot be written; leaves nothing behind."""
     if os.path.isdir(path):
         raise ValueError(f"{option}: {path!r} is a folder; give a file name in it")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise ValueError(f"{option}: the folder of {path!r} does not exist")
-    existed = os.path.exists(path)
+    # The report is written through a symbolic link, so its target is what
+    # must be writable; the link itself is never touched.
+    target = os.path.realpath(path)
+    link = f" (a link to {target!r})" if target != os.path.abspath(path) else ""
+    if not os.path.isdir(os.path.dirname(target)):
+        raise ValueError(f"{option}: the folder of {path!r}{link} does not exist")
     try:
-        with open(path, "a"):
-            pass
+        if os.path.exists(target):
+            with open(target, "a"):
+                pass
+        else:
+            # O_EXCL: a file someone else creates meanwhile is theirs, not removed.
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            os.remove(target)
     except OSError as err:
-        raise ValueError(f"{option}: cannot write {path!r}: {err.strerror or err}") from None
-    if not existed:
-        os.remove(path)
+        raise ValueError(f"{option}: cannot write {path!r}{link}: {err.strerror or err}") from None
 
 
 def run_bench(args: argparse.Namespace) -> int:

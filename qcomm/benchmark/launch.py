@@ -22,6 +22,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+from qcomm.benchmark._children import PARENT_ENV, describe, end_with_parent, exit_status
 from qcomm.benchmark.link import Link, LinkError, parse_rate
 from qcomm.benchmark.measure import run_rank
 from qcomm.benchmark.options import BenchConfig
@@ -129,9 +130,9 @@ def spawn_local(config: BenchConfig, poll_s: float = 0.2) -> int:
     except LinkError as err:
         print(f"qcomm bench: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("qcomm bench: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        print(f"qcomm bench: {describe(err)}", file=sys.stderr)
+        return exit_status(err)
 
 
 def _spawn(config: BenchConfig, poll_s: float, link: Link | None) -> int:
@@ -149,6 +150,7 @@ def _spawn(config: BenchConfig, poll_s: float, link: Link | None) -> int:
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
             "OMP_NUM_THREADS": threads,
+            PARENT_ENV: str(os.getpid()),
         }
         control = workdir / "link-request"
         if link is not None:
@@ -176,10 +178,10 @@ def _spawn(config: BenchConfig, poll_s: float, link: Link | None) -> int:
                         )
                     )
             problem = _watch(procs, beats, stuck_after, poll_s, _link_requests(link, control))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM/SIGHUP under the CLI
             _stop(procs)
-            print("qcomm bench: interrupted", file=sys.stderr)
-            return 130
+            print(f"qcomm bench: {describe(err)}", file=sys.stderr)
+            return exit_status(err)
         if problem is not None:
             rank, message = problem
             _stop(procs)
@@ -237,6 +239,8 @@ def _watch(
 
 
 def _child_main() -> int:
+    if os.environ.get(PARENT_ENV):
+        end_with_parent(int(os.environ[PARENT_ENV]))
     config = BenchConfig.from_json(os.environ[CONFIG_ENV])
     return run_distributed(config, local=True)
 

@@ -17,6 +17,8 @@ import subprocess
 from types import FrameType, TracebackType
 from typing import Any
 
+from qcomm.benchmark._children import Stopped
+
 __all__ = ["Link", "LinkError", "parse_rate", "tc_rate"]
 
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*$", re.IGNORECASE)
@@ -251,7 +253,7 @@ class Link:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # SIGTERM ends the run like Ctrl-C does, through the cleanup below.
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Stopped(signum)
 
     def __enter__(self) -> Link:
         _check_privileges()

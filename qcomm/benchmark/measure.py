@@ -518,6 +518,8 @@ def _add_break_evens(points: list[dict[str, Any]]) -> None:
         noop = base.get((p["op"], p["size_bytes"], p["pass"]))
         if p["impl"] != "qcomm" or noop is None or p is noop or not p.get("unlimited_s"):
             continue
+        if p.get("link_bytes") is None:  # the codec's own row failed: no ratio to weigh
+            continue
         rate = collective_break_even(
             noop["link_bytes"], noop["unlimited_s"], p["link_bytes"], p["unlimited_s"]
         )
