@@ -6,20 +6,31 @@ buckets with qcomm codecs, with optional error feedback. See :doc:`ddp`.
 # No "from __future__ import annotations" here: DistributedDataParallel
 # compares the hook's annotations with the real types.
 
-from collections.abc import Callable, Mapping
-from typing import Any
+import itertools
+import math
+import weakref
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from qcomm.collectives._args import check_chunk_bytes
-from qcomm.collectives.all_reduce import Residuals, all_reduce
+from qcomm.collectives.all_reduce import Residuals, all_reduce, granule, layout
 from qcomm.discovery import load_codec
-from qcomm.types import CodecError, QuantizedCommCodec
+from qcomm.types import CodecError, QuantizedCommCodec, contract_problem
 
 __all__ = ["DDPCommHookState", "all_reduce_hook", "ddp_comm_hook"]
 
-_VERSION = 1
+_VERSION = 2
+# Names given to saved parameters that no parameter of this process can
+# take (see _Entry): far beyond any count of parameters.
+_UNNAMED = 1 << 40
+
+# A bucket's layout: elements, dtype, world size, rank, its parameters'
+# shapes in order, and where this rank's block starts and stops.
+_Layout = tuple[int, str, int, int, tuple[tuple[int, ...], ...], int, int]
 
 
 def _load(value: Any, name: str) -> tuple[Any, str | None]:
@@ -28,8 +39,12 @@ def _load(value: Any, name: str) -> tuple[Any, str | None]:
         return None, None
     if isinstance(value, str):
         return load_codec(value), value.strip()
-    if isinstance(value, QuantizedCommCodec):
+    problem = contract_problem(value)
+    if problem is None:
         return value, None
+    if isinstance(value, (type, QuantizedCommCodec)):
+        # What the registry says of it (a class passes the protocol check).
+        raise CodecError(f"{name}: expected a codec spec string or a codec object, got {problem}")
     raise TypeError(
         f"{name}: expected a codec spec such as 'int8' or 'mx4:group_size=16', a codec "
         f"object or None, got {type(value).__name__}"
@@ -49,6 +64,42 @@ def _thaw(value: Any) -> Any:
     return value
 
 
+class _Entry:
+    """The residuals of one bucket of one module, and whose they are."""
+
+    # ``names`` has one name per parameter of the bucket, in order: its number
+    # in this state (n >= 0, see DDPCommHookState._number); restored and not
+    # yet matched to a parameter, -1 - n with n its number in the state that
+    # saved it; None once its residuals have moved to another bucket (they are
+    # zero here then). No names: parameters that do not tile the bucket.
+
+    def __init__(
+        self, index: int, layout: _Layout, names: list[int | None], residuals: Residuals
+    ) -> None:
+        self.index = index
+        self.layout = layout
+        self.names = names
+        self.residuals = residuals
+        self.offsets = list(itertools.accumulate((math.prod(s) for s in layout[4]), initial=0))
+
+    def take(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Parameter ``i``'s scatter and gather residuals (``None``: zero), taken out of here."""
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        start, stop = self.layout[5], self.layout[6]
+        scatter, gather = self.residuals.scatter, self.residuals.gather
+        s = g = None
+        if scatter is not None:
+            s = scatter[lo:hi].clone()
+            scatter[lo:hi] = 0.0
+        a, b = max(lo, start), min(hi, stop)
+        if gather is not None and a < b:
+            g = torch.zeros(hi - lo, device=gather.device)
+            g[a - lo : b - lo] = gather[a - start : b - start]
+            gather[a - start : b - start] = 0.0
+        self.names[i] = None
+        return s, g
+
+
 class DDPCommHookState:
     r"""
     The state of qcomm's DDP hook: its codecs and options and, with error
@@ -63,7 +114,7 @@ class DDPCommHookState:
         >>> state
         DDPCommHookState(reduce='int8', gather='fp16', error_feedback=True)
         >>> state.state_dict()
-        {'version': 1, 'error_feedback': True, 'residuals': {}}
+        {'version': 2, 'error_feedback': True, 'residuals': {}}
     """
 
     def __init__(
@@ -102,32 +153,164 @@ class DDPCommHookState:
             )
         self.process_group = process_group
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
-        #: how often a bucket's residuals restarted from zero for a new layout
+        #: how many buckets dropped residuals they could not carry over (other
+        #: parameters in a bucket's place, or a restored state that does not fit)
         self.resets = 0
-        self._residuals: dict[int, tuple[tuple[Any, ...], Residuals]] = {}
+        self._entries: list[_Entry] = []
+        # Which entry, and which of its parameters, holds a name's residuals.
+        self._held: dict[int, tuple[_Entry, int]] = {}
+        # Parameters numbered in the order this state first sees them.
+        self._numbers = cast(MutableMapping[torch.Tensor, int], WeakIdKeyDictionary())
+        self._live: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._next = 0
+        self._unnamed = itertools.count(_UNNAMED)
 
     def residuals(self, bucket: dist.GradBucket) -> Residuals:
         r"""
         residuals(bucket: torch.distributed.GradBucket) -> Residuals
 
-        The bucket's residuals, for the hook to fill in; from zero if its
-        layout changed.
+        The bucket's residuals, for the hook to fill in: its own, else those
+        of its parameters carried over from the buckets that held them (DDP
+        rebuilt its buckets, the codecs changed, or the state was restored),
+        else from zero.
 
         Args:
             bucket (torch.distributed.GradBucket): the bucket.
         """
         buffer = bucket.buffer()
         group = self.process_group if self.process_group is not None else dist.group.WORLD
-        shapes = tuple(tuple(p.shape) for p in bucket.parameters())
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        key = (buffer.numel(), str(buffer.dtype), world, rank, shapes)
-        index = bucket.index()
-        kept = self._residuals.get(index)
-        if kept is None or kept[0] != key:
-            if kept is not None:
-                self.resets += 1
-            kept = self._residuals[index] = (key, Residuals())
-        return kept[1]
+        params = list(bucket.parameters())
+        shapes = tuple(tuple(p.shape) for p in params)
+        numel = buffer.numel()
+        start, stop = self._own(numel, world, rank)
+        key: _Layout = (numel, str(buffer.dtype), world, rank, shapes, start, stop)
+        names: list[int | None] = [self._number(p) for p in params]
+        if sum(math.prod(s) for s in shapes) != numel:
+            names = []  # they do not tile the bucket: not followed one by one
+        held = self._held.get(names[0]) if names and names[0] is not None else None
+        if held is not None and held[0].names == names and held[0].layout == key:
+            return held[0].residuals
+        return self._carry(bucket.index(), key, names, buffer.device)
+
+    def _own(self, numel: int, world: int, rank: int) -> tuple[int, int]:
+        """Where this rank's block of a bucket starts and stops, as :func:`all_reduce` cuts it."""
+        codecs = [c for c in (self.reduce_codec, self.gather_codec) if c is not None]
+        bounds = layout(numel, world, granule(*codecs))
+        return bounds[rank], bounds[rank + 1]
+
+    def _number(self, param: torch.Tensor) -> int:
+        number = self._numbers.get(param)
+        if number is None:
+            number = self._numbers[param] = self._next
+            self._live[number] = param
+            self._next += 1
+        return number
+
+    def _unbound(self, entry: _Entry) -> bool:
+        """Whether no live parameter of this state owns any of the entry's residuals."""
+        return all(n is None or n < 0 or n not in self._live for n in entry.names)
+
+    def _carry(
+        self, index: int, key: _Layout, names: list[int | None], device: torch.device
+    ) -> Residuals:
+        """A new entry for the bucket, with what the entries holding its parameters hold."""
+        shapes = key[4]
+        sources = [None if n is None else self._held.get(n) for n in names]
+        if not any(sources):
+            # Restored: under the numbers of the state that saved them, which
+            # numbered parameters in the order DDP's first buckets hold them,
+            # as this state does.
+            sources = [None if n is None else self._held.get(-1 - n) for n in names]
+            if not (
+                names
+                and all(s and s[0].layout[4][s[1]] == shapes[j] for j, s in enumerate(sources))
+            ):
+                claimed = self._claim(index, key)
+                if claimed is not None and claimed.layout == key:
+                    self._rename(claimed, names)
+                    return claimed.residuals
+                if claimed is not None:
+                    sources = [(claimed, i) for i in range(len(names))]
+        else:
+            sources = [
+                s or (None if n is None else self._held.get(-1 - n)) for n, s in zip(names, sources)
+            ]
+        residuals = Residuals()
+        if any(sources):
+            residuals, lost = self._move(key, sources, device)
+        else:
+            stale = [e for e in self._entries if e.index == index and self._unbound(e)]
+            for entry in stale:
+                for i in range(len(entry.names)):
+                    self._drop(entry, i)
+            self._entries = [e for e in self._entries if all(e is not s for s in stale)]
+            lost = bool(stale)
+        self.resets += int(lost)
+        entry = _Entry(index, key, names, residuals)
+        # Entries whose parameters all moved elsewhere are done with.
+        self._entries = [
+            e for e in self._entries if not e.names or any(n is not None for n in e.names)
+        ]
+        self._entries.append(entry)
+        for i, n in enumerate(names):
+            if n is not None:
+                self._held[n] = (entry, i)
+        return residuals
+
+    def _claim(self, index: int, key: _Layout) -> _Entry | None:
+        """An entry of the bucket's index and shapes whose parameters are gone or restored."""
+        for entry in self._entries:
+            if entry.index == index and entry.layout[:5] == key[:5] and self._unbound(entry):
+                return entry
+        return None
+
+    def _rename(self, entry: _Entry, names: list[int | None]) -> None:
+        for n in entry.names:
+            if n is not None:
+                self._held.pop(n, None)
+        entry.names = list(names)
+        for i, n in enumerate(names):
+            if n is not None:
+                self._held[n] = (entry, i)
+
+    def _drop(self, entry: _Entry, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        name = entry.names[i]
+        if name is not None:
+            self._held.pop(name, None)
+        return entry.take(i)
+
+    def _move(
+        self, key: _Layout, sources: Sequence[tuple[_Entry, int] | None], device: torch.device
+    ) -> tuple[Residuals, bool]:
+        """Residuals laid out as ``key``, from each parameter's source; whether one did not fit."""
+        numel, _, world, rank, shapes, start, stop = key
+        scatter = torch.zeros(numel, device=device)
+        gather = torch.zeros(stop - start, device=device)
+        lost = False
+        offsets = list(itertools.accumulate((math.prod(s) for s in shapes), initial=0))
+        for j, source in enumerate(sources):
+            if source is None:
+                continue
+            entry, i = source
+            s, g = self._drop(entry, i)
+            if entry.layout[2:4] != (world, rank) or entry.layout[4][i] != shapes[j]:
+                lost = True
+                continue
+            lo, hi = offsets[j], offsets[j + 1]
+            s = torch.zeros(hi - lo, device=device) if s is None else s.to(device)
+            # The reduce-scatter's residual counts 1/world in the average, the
+            # all-gather's whole: one moves to the other where the place
+            # changed owner (exactly, where it did not).
+            scatter[lo:hi] = s if g is None else s + g.to(device) * world
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                own = s[a - lo : b - lo] / world
+                if g is not None:
+                    own += g[a - lo : b - lo].to(device)
+                gather[a - start : b - start] = own
+                scatter[a:b] = 0.0
+        return Residuals(scatter, gather), lost
 
     def reset(self) -> None:
         r"""
@@ -135,7 +318,8 @@ class DDPCommHookState:
 
         Drops every bucket's residuals.
         """
-        self._residuals.clear()
+        self._entries = []
+        self._held.clear()
 
     def state_dict(self) -> dict[str, Any]:
         r"""
@@ -144,59 +328,118 @@ class DDPCommHookState:
         Copies of every bucket's residuals with their layout.
 
         Returns:
-            dict[str, Any]: ``version``, ``error_feedback`` and ``residuals``
-            (bucket index to ``layout``, ``scatter`` and ``gather``).
+            dict[str, Any]: ``version``, ``error_feedback`` and ``residuals``:
+            per bucket, keyed by its index (where two modules share the state,
+            the buckets of the later one follow the largest index),
+            ``index``, ``layout``, ``params`` (which parameters, by their
+            number in the order the state first saw them), ``scatter`` and
+            ``gather``.
         """
-        residuals = {
-            index: {
-                "layout": _thaw(key),
-                "scatter": kept.scatter.detach().clone(),
-                "gather": kept.gather.detach().clone(),
+        entries = [
+            e
+            for e in self._entries
+            if e.residuals.scatter is not None and e.residuals.gather is not None
+        ]
+        keys: dict[int, int] = {}
+        for k, e in enumerate(entries):
+            keys.setdefault(e.index, k)
+        extra = itertools.count(max(keys, default=-1) + 1)
+        first = set(keys.values())
+        residuals = {}
+        for k, e in enumerate(entries):
+            assert e.residuals.scatter is not None and e.residuals.gather is not None
+            residuals[e.index if k in first else next(extra)] = {
+                "index": e.index,
+                "layout": _thaw(e.layout),
+                "params": [
+                    None if n is None or -1 - n >= _UNNAMED else (n if n >= 0 else -1 - n)
+                    for n in e.names
+                ],
+                "scatter": e.residuals.scatter.detach().clone(),
+                "gather": e.residuals.gather.detach().clone(),
             }
-            for index, (key, kept) in sorted(self._residuals.items())
-            if kept.scatter is not None and kept.gather is not None
+        return {
+            "version": _VERSION,
+            "error_feedback": self.error_feedback,
+            "residuals": dict(sorted(residuals.items())),
         }
-        return {"version": _VERSION, "error_feedback": self.error_feedback, "residuals": residuals}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         r"""
         load_state_dict(state_dict: Mapping[str, Any]) -> None
 
-        Restores what :meth:`state_dict` saved; a bucket whose layout has
-        changed since restarts from zero.
+        Restores what :meth:`state_dict` saved, for the hook to carry over to
+        the buckets of the same parameters, whatever their layout now (see
+        :doc:`ddp`).
 
         Args:
             state_dict (Mapping[str, Any]): from :meth:`state_dict`, else ``ValueError``.
         """
-        if not isinstance(state_dict, Mapping) or state_dict.get("version") != _VERSION:
-            got = state_dict.get("version") if isinstance(state_dict, Mapping) else state_dict
+        version = state_dict.get("version") if isinstance(state_dict, Mapping) else None
+        if version not in (1, _VERSION):
+            got = version if isinstance(state_dict, Mapping) else state_dict
             raise ValueError(
                 f"state_dict: expected a DDPCommHookState.state_dict() of version {_VERSION}, "
                 f"got {got!r:.80}"
             )
-        loaded: dict[int, tuple[tuple[Any, ...], Residuals]] = {}
         entries = state_dict.get("residuals")
         if not isinstance(entries, Mapping):
             raise ValueError("state_dict['residuals']: expected a mapping of bucket index to entry")
-        for index, entry in entries.items():
-            where = f"state_dict['residuals'][{index!r}]"
-            if (
-                isinstance(index, bool)
-                or not isinstance(index, int)
-                or not isinstance(entry, Mapping)
-            ):
-                raise ValueError(f"{where}: expected an int bucket index and a mapping")
-            tensors = []
-            for name in ("scatter", "gather"):
-                t = entry.get(name)
-                if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1:
-                    raise ValueError(f"{where}[{name!r}]: expected a 1-D float32 tensor")
-                tensors.append(t.detach().clone())
-            layout = _freeze(entry.get("layout"))
-            if not isinstance(layout, tuple) or len(layout) != 5:
-                raise ValueError(f"{where}['layout']: expected the layout state_dict() saved")
-            loaded[index] = (layout, Residuals(*tensors))
-        self._residuals = loaded
+        loaded = [self._loaded(key, entry, version) for key, entry in entries.items()]
+        self._entries, self._held = [], {}
+        for entry in loaded:
+            for i, n in enumerate(entry.names):
+                if n is None or n in self._held:
+                    entry.names[i] = -1 - next(self._unnamed)
+                else:
+                    self._held[n] = (entry, i)
+            self._entries.append(entry)
+
+    def _loaded(self, key: Any, entry: Any, version: int) -> _Entry:
+        """One saved entry, checked; its names not yet bound (see :class:`_Entry`)."""
+        where = f"state_dict['residuals'][{key!r}]"
+        if isinstance(key, bool) or not isinstance(key, int) or not isinstance(entry, Mapping):
+            raise ValueError(f"{where}: expected an int bucket index and a mapping")
+        tensors = []
+        for name in ("scatter", "gather"):
+            t = entry.get(name)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1:
+                raise ValueError(f"{where}[{name!r}]: expected a 1-D float32 tensor")
+            tensors.append(t.detach().clone())
+        scatter, gather = tensors
+        layout = _freeze(entry.get("layout"))
+        index = entry.get("index", key) if version > 1 else key
+        names = entry.get("params") if version > 1 else None
+        if (
+            not isinstance(layout, tuple)
+            or len(layout) != (7 if version > 1 else 5)
+            or not all(isinstance(v, int) for v in (*layout[:1], *layout[2:4], *layout[5:]))
+            or not isinstance(layout[4], tuple)
+            or not all(isinstance(s, tuple) for s in layout[4])
+            or sum(math.prod(s) for s in layout[4]) != layout[0]
+            or scatter.numel() != layout[0]
+        ):
+            raise ValueError(f"{where}['layout']: expected the layout state_dict() saved")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"{where}['index']: expected an int, got {index!r:.80}")
+        if names is None:
+            names = [None] * len(layout[4])
+        if not isinstance(names, (list, tuple)) or len(names) not in (0, len(layout[4])):
+            raise ValueError(f"{where}['params']: expected one number per shape of its layout")
+        if not all(n is None or (isinstance(n, int) and 0 <= n < _UNNAMED) for n in names):
+            raise ValueError(f"{where}['params']: expected numbers or None, got {names!r:.80}")
+        if version == 1:
+            # Where this rank's block lay was not saved: as the codecs cut it
+            # now, if the all-gather's residual is as long.
+            start, stop = self._own(layout[0], layout[2], layout[3])
+            layout = (*layout, start, stop)
+            if gather.numel() != stop - start:
+                gather = torch.zeros(stop - start)
+                self.resets += 1
+        elif gather.numel() != layout[6] - layout[5]:
+            raise ValueError(f"{where}['gather']: expected {layout[6] - layout[5]} elements")
+        saved = [None if n is None else -1 - n for n in names]
+        return _Entry(index, layout, saved, Residuals(scatter, gather))
 
     def __getstate__(self) -> dict[str, Any]:
         reduce_spec, gather_spec = self._specs
@@ -303,7 +546,8 @@ def ddp_comm_hook(
         tuple[DDPCommHookState, Callable]: the state and :func:`~qcomm.ddp.all_reduce_hook`.
 
     Raises:
-        CodecError: if a spec names no installed codec or its options are wrong.
+        CodecError: if a spec names no installed codec or its options are wrong,
+            or a codec object breaks the codec contract (a codec class, say).
         TypeError: if an argument has the wrong type.
         ValueError: if ``gather`` repeats a pair's, or ``chunk_bytes`` is not positive.
 

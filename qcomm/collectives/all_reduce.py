@@ -199,6 +199,13 @@ def _tap(codec: Any) -> _Tap:
     return found[1]
 
 
+def _mark_infinities(x: torch.Tensor) -> None:
+    """Turns infinities into NaN, in place and without a host synchronisation."""
+    # A codec may saturate an infinity into a finite value (fp16 and bf16 do,
+    # as fbgemm's); the built-in codecs all keep NaN. 0 * inf is NaN.
+    x.add_(x, alpha=0)
+
+
 def _check_residuals(residuals: Residuals, numel: int, own: int, device: torch.device) -> None:
     """Fills in empty residuals with zeros and checks the others."""
     for name, size in (("scatter", numel), ("gather", own)):
@@ -236,8 +243,10 @@ def all_reduce(
 
     Every rank ends with the same values, each off the exact sum by at most
     what the codecs' bounds allow (see :class:`~qcomm.CodecInfo` and
-    :doc:`ddp`). With ``residuals``, what each codec lost is added to what
-    this rank sends from the same place on the next call (error feedback).
+    :doc:`ddp`). An infinity or NaN on any rank leaves that place not finite
+    on every rank, with codecs that keep NaN as the built-in ones do. With
+    ``residuals``, what each codec lost is added to what this rank sends from
+    the same place on the next call (error feedback).
 
     .. note::
         Every rank of ``group`` must make the same calls, in the same order,
@@ -382,6 +391,9 @@ class _Call:
                 sinks.append(_Sink(self.lengths[r], padded[r], None, residual))
             tap = _tap(codec)
             tap.expect(sinks)
+        if not is_identity(codec, buf.dtype):
+            for r in peers:
+                _mark_infinities(self.block(r))
         mine = self.lengths[rank]
         own = self.block(rank)
         # The sum runs in float32 at least: in place, in the block this rank
@@ -419,6 +431,8 @@ class _Call:
             shard = mine
         elif shard.dtype != torch.float32:
             shard = shard.float()
+        if not identity:
+            _mark_infinities(shard)
         ctx = codec.create_context()
         padded = padded_lengths(codec, ctx, self.lengths, rank, buf.device)
         tap: Any = codec
