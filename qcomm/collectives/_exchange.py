@@ -283,7 +283,10 @@ def start_exchange(
         if not statuses:
             return None
         order = sorted(statuses)
-        blobs = torch.cat([statuses[p] for p in order]).cpu().numpy().tobytes()
+        parts = [statuses[p] for p in order]
+        # One copy to the host for all of them (one wait for the device).
+        together = parts[0] if len(parts) == 1 else torch.cat(parts)
+        blobs = together.cpu().numpy().tobytes()
         width = _header.STATUS_BYTES
         said = [
             problem
