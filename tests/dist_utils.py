@@ -29,11 +29,17 @@ Failures never pass silently and nothing hangs:
   inside the ranks well before that.
 
 The rendezvous is a :class:`torch.distributed.FileStore` in a fresh temporary
-directory, so runs never collide on ports.
+directory, so runs never collide on ports. ``env`` sets environment variables
+in every rank before the process group is initialised: how a spawn forces one
+of qcomm's transports (:func:`transport_env`). :func:`run_outcomes` reports,
+with each case's outcome, the transports each rank opened during it, so that a
+test can prove it ran on the transport it names (:func:`check_case`).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import datetime
 import multiprocessing
 import os
@@ -43,10 +49,34 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["RankFailure", "per_world_size", "run_cases", "run_ranks"]
+import pytest
+
+from qcomm.collectives import _transport
+
+__all__ = [
+    "TRANSPORTS",
+    "Outcome",
+    "RankFailure",
+    "check_case",
+    "outcomes_per_world_size",
+    "per_world_size",
+    "run_cases",
+    "run_outcomes",
+    "run_ranks",
+    "transport_env",
+    "wrong_transport",
+]
+
+#: What ``QCOMM_TRANSPORT`` can force, and the class each opens.
+TRANSPORTS = ("point_to_point", "all_to_all")
+_CLASSES = {
+    "point_to_point": _transport.PointToPoint.__name__,
+    "all_to_all": _transport.OneAllToAll.__name__,
+}
+assert tuple(_CLASSES) == _transport.CHOICES
 
 
 class RankFailure(AssertionError):
@@ -67,9 +97,11 @@ def _worker(
     backend: str,
     pg_timeout: float,
     threads: int,
+    env: dict[str, str],
     args: tuple[Any, ...],
     results: Any,
 ) -> None:
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -118,6 +150,7 @@ def run_ranks(
     grace: float = 5.0,
     backend: str = "gloo",
     threads: int = 1,
+    env: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
 
@@ -134,6 +167,8 @@ def run_ranks(
         backend: the ``torch.distributed`` backend.
         threads: ``torch.set_num_threads`` in each rank (keep it small: the
             ranks share the machine's cores).
+        env: environment variables set in each rank before the process
+            group is initialised.
 
     Returns:
         The values ``fn`` returned, indexed by rank.
@@ -149,7 +184,18 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, store_path, backend, pg_timeout, threads, args, results),
+            args=(
+                fn,
+                rank,
+                world_size,
+                store_path,
+                backend,
+                pg_timeout,
+                threads,
+                dict(env or {}),
+                args,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(world_size)
@@ -204,33 +250,44 @@ def run_ranks(
     return [values[r] for r in range(world_size)]
 
 
+@dataclasses.dataclass
+class Outcome:
+    """One case of a :func:`run_cases` spawn."""
+
+    #: every failing rank's traceback, or None where the case passed everywhere
+    failure: str | None
+    #: per rank, the transports (class name: count) opened during the case
+    opened: list[dict[str, int]]
+
+
 def _each_case(
     rank: int, world: int, run: Callable[[str, int, int], None], cases: list[str], stop: bool
-) -> dict[str, str | None]:
-    """Every case on one rank, each outcome recorded (see :func:`run_cases`)."""
-    outcome: dict[str, str | None] = {}
+) -> dict[str, tuple[str | None, dict[str, int]]]:
+    """Every case on one rank, its outcome and the transports it opened (see :func:`run_cases`)."""
+    outcome: dict[str, tuple[str | None, dict[str, int]]] = {}
     for i, case in enumerate(cases):
+        before = collections.Counter(_transport.opened)
         try:
             run(case, rank, world)
-            outcome[case] = None
+            outcome[case] = (None, dict(_transport.opened - before))
         except Exception as err:
-            outcome[case] = traceback.format_exc()
+            outcome[case] = (traceback.format_exc(), dict(_transport.opened - before))
             if isinstance(err, AssertionError) and not stop:
                 continue
             for later in cases[i + 1 :]:
-                outcome[later] = f"not run: case {case} raised on rank {rank}"
+                outcome[later] = (f"not run: case {case} raised on rank {rank}", {})
             break
     return outcome
 
 
-def run_cases(
+def run_outcomes(
     run: Callable[[str, int, int], None],
     world_size: int,
     cases: list[str],
     *,
     stop_on_failed_check: bool = False,
     **kwargs: Any,
-) -> dict[str, str | None]:
+) -> dict[str, Outcome]:
     """Runs ``run(case, rank, world_size)`` for every case on one spawn of ranks.
 
     A check that fails (AssertionError) normally leaves the ranks in step, so
@@ -244,33 +301,49 @@ def run_cases(
         world_size: number of ranks.
         cases: the case names, run in order.
         stop_on_failed_check: stop after a failed check too.
-        **kwargs: passed to :func:`run_ranks` (``timeout``, ``pg_timeout``...).
+        **kwargs: passed to :func:`run_ranks` (``timeout``, ``pg_timeout``,
+            ``env``...).
 
     Returns:
-        For each case, the tracebacks of the ranks where it failed, or None.
+        For each case, the tracebacks of the ranks where it failed (or None)
+        and the transports each rank opened while it ran.
     """
     per_rank = run_ranks(_each_case, world_size, run, cases, stop_on_failed_check, **kwargs)
     return {
-        case: "\n".join(
-            f"--- rank {r} ---\n{res[case]}" for r, res in enumerate(per_rank) if res[case]
+        case: Outcome(
+            "\n".join(
+                f"--- rank {r} ---\n{res[case][0]}"
+                for r, res in enumerate(per_rank)
+                if res[case][0]
+            )
+            or None,
+            [res[case][1] for res in per_rank],
         )
-        or None
         for case in cases
     }
 
 
-def per_world_size(
+def run_cases(
+    run: Callable[[str, int, int], None], world_size: int, cases: list[str], **kwargs: Any
+) -> dict[str, str | None]:
+    """:func:`run_outcomes` without the transports: for each case, the
+    tracebacks of the ranks where it failed, or None."""
+    outcomes = run_outcomes(run, world_size, cases, **kwargs)
+    return {case: outcome.failure for case, outcome in outcomes.items()}
+
+
+def outcomes_per_world_size(
     run: Callable[[str, int, int], None], cases: list[str], **kwargs: Any
-) -> Callable[[int], dict[str, str | None]]:
-    """:func:`run_cases` once per world size, on first use, its outcome (or
+) -> Callable[[int], dict[str, Outcome]]:
+    """:func:`run_outcomes` once per world size, on first use, its outcome (or
     error) remembered: for a module-scoped fixture of tests parametrized by
     world size."""
-    cache: dict[int, dict[str, str | None] | BaseException] = {}
+    cache: dict[int, dict[str, Outcome] | BaseException] = {}
 
-    def outcomes(world_size: int) -> dict[str, str | None]:
+    def outcomes(world_size: int) -> dict[str, Outcome]:
         if world_size not in cache:
             try:
-                cache[world_size] = run_cases(run, world_size, cases, **kwargs)
+                cache[world_size] = run_outcomes(run, world_size, cases, **kwargs)
             except BaseException as err:
                 cache[world_size] = err
         result = cache[world_size]
@@ -279,3 +352,42 @@ def per_world_size(
         return result
 
     return outcomes
+
+
+def per_world_size(
+    run: Callable[[str, int, int], None], cases: list[str], **kwargs: Any
+) -> Callable[[int], dict[str, str | None]]:
+    """:func:`outcomes_per_world_size` without the transports (see :func:`run_cases`)."""
+    outcomes = outcomes_per_world_size(run, cases, **kwargs)
+
+    def failures(world_size: int) -> dict[str, str | None]:
+        return {case: outcome.failure for case, outcome in outcomes(world_size).items()}
+
+    return failures
+
+
+def transport_env(transport: str) -> dict[str, str]:
+    """The environment that forces ``transport`` (one of :data:`TRANSPORTS`) in every rank."""
+    return {_transport.ENV: transport}
+
+
+def wrong_transport(opened: list[dict[str, int]], transport: str) -> str | None:
+    """What is wrong with the transports the ranks opened, all forced to ``transport``; or None."""
+    wanted = _CLASSES[transport]
+    problems = [
+        f"rank {r} opened {dict(counts) or 'no transport'}"
+        for r, counts in enumerate(opened)
+        if counts.get(wanted, 0) <= 0 or any(n for name, n in counts.items() if name != wanted)
+    ]
+    if not problems:
+        return None
+    return f"expected only {wanted} (QCOMM_TRANSPORT={transport}), but " + "; ".join(problems)
+
+
+def check_case(outcome: Outcome, what: str, transport: str | None) -> None:
+    """Fails the calling test with the case's tracebacks, or unless every rank
+    opened the transport forced (when ``transport`` is given) and no other."""
+    if outcome.failure:
+        pytest.fail(f"{what}:\n{outcome.failure}", pytrace=False)
+    if transport is not None and (problem := wrong_transport(outcome.opened, transport)):
+        pytest.fail(f"{what}: {problem}", pytrace=False)

@@ -1,9 +1,12 @@
-"""The three collectives on 2 and 3 gloo ranks, against references computed without qcomm.
+"""The three collectives on 2 and 3 gloo ranks, on both transports, against
+references computed without qcomm.
 
 Every rank generates every rank's inputs and output gradients from fixed seeds,
 so each rank computes its expected output and input gradient with plain local
-torch and checks its own. One spawn per world size runs every case; each case
-is reported as its own test.
+torch and checks its own. One spawn per world size and transport (forced with
+``QCOMM_TRANSPORT``: gloo's point-to-point, and the all-to-all NCCL takes) runs
+every case; each case is reported as its own test, which also checks that its
+calls opened the transport it names and no other.
 
 - The no-op path (``codecs=None``, and a foreign identity codec without
   ``info``) must be exact: the inputs are small integers, so even sums do not
@@ -36,7 +39,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import RankFailure, per_world_size, run_ranks
+from dist_utils import (
+    TRANSPORTS,
+    Outcome,
+    RankFailure,
+    check_case,
+    outcomes_per_world_size,
+    run_ranks,
+    transport_env,
+    wrong_transport,
+)
 
 import qcomm
 from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
@@ -765,11 +777,15 @@ def case_validation(rank: int, world: int) -> None:
         ),
     ]
     run_all([functools.partial(expect, error, words, fn) for error, words, fn in cases])
-    # A CPU tensor on an NCCL group (the backend is faked: this machine has no GPU).
+    # A CPU tensor on an NCCL group (the backend is faked: this machine has no
+    # GPU). Forced point-to-point (gloo's) is refused first, by the transport.
+    words: tuple[str, ...] = ("input", "nccl", "cpu")
+    if os.environ.get("QCOMM_TRANSPORT") == "point_to_point":
+        words = ("QCOMM_TRANSPORT=point_to_point", "gloo", "nccl", "cpu")
     real_get_backend = dist.get_backend
     dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment,return-value]
     try:
-        expect(ValueError, ("input", "nccl", "cpu"), lambda: a2a(x, batches, dims))
+        expect(ValueError, words, lambda: a2a(x, batches, dims))
     finally:
         dist.get_backend = real_get_backend
     # Nothing was sent by the failed calls: the group is still in step.
@@ -835,19 +851,27 @@ def run_case(case: str, rank: int, world: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def spawned() -> Callable[[int], dict[str, str | None]]:
-    """Runs every case once per world size, on first use, and remembers the outcome."""
-    return per_world_size(run_case, CASE_IDS, timeout=600.0, pg_timeout=30.0)
+def spawned() -> dict[str, Callable[[int], dict[str, Outcome]]]:
+    """Runs every case once per transport and world size, on first use, and remembers the outcome."""
+    return {
+        transport: outcomes_per_world_size(
+            run_case, CASE_IDS, env=transport_env(transport), timeout=600.0, pg_timeout=30.0
+        )
+        for transport in TRANSPORTS
+    }
 
 
 @pytest.mark.parametrize("case", CASE_IDS)
 @pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_collectives(
-    world: int, case: str, spawned: Callable[[int], dict[str, str | None]]
+    transport: str,
+    world: int,
+    case: str,
+    spawned: dict[str, Callable[[int], dict[str, Outcome]]],
 ) -> None:
-    failure = spawned(world)[case]
-    if failure:
-        pytest.fail(f"{case} on {world} ranks:\n{failure}", pytrace=False)
+    outcome = spawned[transport](world)[case]
+    check_case(outcome, f"{case} on {world} ranks, {transport}", transport)
 
 
 # --------------------------------------------------------------------------
@@ -856,7 +880,7 @@ def test_collectives(
 
 def raise_on_rank_zero(rank: int, world: int) -> None:
     if rank == 0:
-        raise ValueError("rank zero gives up")
+        raise ValueError(f"rank zero gives up ({os.environ.get('QCOMM_TEST_MARK')})")
     dist.barrier()  # waits for rank 0, which never comes
 
 
@@ -872,8 +896,10 @@ def sleep_forever(rank: int, world: int) -> None:
 
 def test_run_ranks_reports_the_failing_rank() -> None:
     with pytest.raises(RankFailure) as info:
-        run_ranks(raise_on_rank_zero, 2, timeout=60.0, grace=1.0)
-    assert "rank zero gives up" in info.value.tracebacks[0]
+        run_ranks(
+            raise_on_rank_zero, 2, timeout=60.0, grace=1.0, env={"QCOMM_TEST_MARK": "env set"}
+        )
+    assert "rank zero gives up (env set)" in info.value.tracebacks[0]
     assert isinstance(info.value.exceptions[0], ValueError)
 
 
@@ -885,3 +911,16 @@ def test_run_ranks_reports_a_rank_that_dies() -> None:
 def test_run_ranks_times_out() -> None:
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 5 s"):
         run_ranks(sleep_forever, 2, timeout=5.0)
+
+
+def test_wrong_transport_names_what_each_rank_opened() -> None:
+    assert wrong_transport([{"OneAllToAll": 3}, {"OneAllToAll": 1}], "all_to_all") is None
+    assert wrong_transport([{"PointToPoint": 2}] * 2, "point_to_point") is None
+    for opened, said in (
+        ([{"OneAllToAll": 3}, {"PointToPoint": 3}], "rank 1 opened {'PointToPoint': 3}"),
+        ([{"OneAllToAll": 3, "PointToPoint": 1}], "rank 0 opened {'OneAllToAll': 3, 'Point"),
+        ([{"OneAllToAll": 3}, {}], "rank 1 opened no transport"),
+    ):
+        problem = wrong_transport(opened, "all_to_all")
+        assert problem is not None and said in problem, problem
+        assert "expected only OneAllToAll (QCOMM_TRANSPORT=all_to_all)" in problem

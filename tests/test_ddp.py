@@ -15,8 +15,11 @@ average with ``dist.all_reduce`` in float64, and checks what the hook gave it:
 - the state saved and restored (``state_dict`` and pickling) continues
   bit for bit, and a bucket whose layout changes starts again from zero.
 
-One spawn per world size runs every case; each case is reported as its own
-test. Argument checks that need no peers run in this process.
+One spawn per world size and transport (forced with ``QCOMM_TRANSPORT``:
+gloo's point-to-point, and the all-to-all NCCL takes) runs every case; each
+case is reported as its own test, which also checks that the case's calls
+opened the transport it names and no other. Argument checks that need no
+peers run in this process.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_utils import per_world_size
+from dist_utils import TRANSPORTS, Outcome, check_case, outcomes_per_world_size, transport_env
 
 import qcomm
 import qcomm.cli
@@ -371,17 +374,27 @@ def run_case(case: str, rank: int, world: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def spawned() -> Callable[[int], dict[str, str | None]]:
-    """Runs every case once per world size, on first use."""
-    return per_world_size(run_case, CASE_IDS, timeout=600.0, pg_timeout=30.0)
+def spawned() -> dict[str, Callable[[int], dict[str, Outcome]]]:
+    """Runs every case once per transport and world size, on first use."""
+    return {
+        transport: outcomes_per_world_size(
+            run_case, CASE_IDS, env=transport_env(transport), timeout=600.0, pg_timeout=30.0
+        )
+        for transport in TRANSPORTS
+    }
 
 
 @pytest.mark.parametrize("case", CASE_IDS)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_ddp_hook(world: int, case: str, spawned: Callable[[int], dict[str, str | None]]) -> None:
-    failure = spawned(world)[case]
-    if failure:
-        pytest.fail(f"{case} on {world} ranks:\n{failure}", pytrace=False)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ddp_hook(
+    transport: str,
+    world: int,
+    case: str,
+    spawned: dict[str, Callable[[int], dict[str, Outcome]]],
+) -> None:
+    outcome = spawned[transport](world)[case]
+    check_case(outcome, f"{case} on {world} ranks, {transport}", transport)
 
 
 # --------------------------------------------------------------------------

@@ -6,15 +6,21 @@
   automatic chunks and in one piece are identical, on 2 and 3 ranks, with
   uneven splits, widths that need padding and empty blocks.
 - The backend's all-to-all transport (what NCCL uses) gives the same bits as
-  the point-to-point one (what gloo uses), run here on gloo.
-- A call that fails half-way (a codec raising on a later chunk) leaves the
-  group usable for the next call; ``chunk_bytes`` is checked and must agree
-  on all ranks.
+  the point-to-point one (what gloo uses), run here on gloo: every collective,
+  the DDP all-reduce too, switched with ``QCOMM_TRANSPORT`` between calls of
+  one spawn, each call's transport counted.
+- A call that fails half-way (a codec raising on a later chunk, or on the
+  all-to-all transport a later peer's piece) leaves the group usable for the
+  next call; ``chunk_bytes`` is checked and must agree on all ranks.
 - Chunk boundaries (unit tests): whole rows, multiples of the codec's block.
+
+The multi-rank cases run once per world size and forced transport; each test
+also checks that its case opened the transport it names and no other.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 from collections.abc import Callable
@@ -22,9 +28,10 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import per_world_size
+from dist_utils import TRANSPORTS, Outcome, check_case, outcomes_per_world_size, transport_env
 from test_collectives import (
     CODEC_NAMES,
+    LOCAL_CODECS,
     CastFP16Codec,
     assert_equal,
     gen,
@@ -36,6 +43,7 @@ import qcomm
 import qcomm.collectives._exchange as qexchange
 import qcomm.collectives._transport as qtransport
 from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
+from qcomm.collectives.all_reduce import all_reduce
 
 WORLD_SIZES = (2, 3)
 TINY = 256  # bytes: 64 elements, many chunks even for small inputs
@@ -86,6 +94,18 @@ def sequence(rank: int, world: int, codec: str | None, chunk: int | None, tag: s
     return out.detach(), x.grad
 
 
+def reduced(rank: int, world: int, codec: str | None, chunk: int | None, tag: str) -> Any:
+    # The DDP all-reduce, summing; a length no codec's block divides. No gradient.
+    x = gen(f"{tag}:x{rank}", (1001,), False)
+    codecs = pair(codec) if codec else None
+    return all_reduce(
+        x,
+        reduce_codec=codecs and codecs.forward,
+        gather_codec=codecs and codecs.backward,
+        chunk_bytes=chunk,
+    ), None
+
+
 OPS: dict[str, Callable[..., Any]] = {
     "pooled": pooled,
     "reduce_scatter": reduce_scatter,
@@ -93,11 +113,13 @@ OPS: dict[str, Callable[..., Any]] = {
 }
 
 
-def same_bits(what: str, a: tuple[torch.Tensor, torch.Tensor], b: Any) -> None:
+def same_bits(what: str, a: tuple[torch.Tensor, torch.Tensor | None], b: Any) -> None:
     assert_equal(f"{what} output", b[0], a[0])
-    assert_equal(f"{what} input gradient", b[1], a[1])
     # NaN-free inputs: equal values are equal bits, but say so for -0.0.
     assert torch.equal(a[0].view(torch.int32), b[0].view(torch.int32)), f"{what}: signs of zero"
+    if a[1] is not None or b[1] is not None:
+        assert a[1] is not None and b[1] is not None, f"{what}: an input gradient is missing"
+        assert_equal(f"{what} input gradient", b[1], a[1])
 
 
 def check_chunking(rank: int, world: int, op: str, codec: str | None) -> None:
@@ -124,50 +146,65 @@ def case_automatic_chunks_of_a_large_call(rank: int, world: int) -> None:
     assert qexchange.chunk_elements(4096 * 128, None) < 4096 * 128
 
 
-def case_one_all_to_all_transport(rank: int, world: int) -> None:
-    # What NCCL runs (one all-to-all per call, one chunk per peer), on gloo.
-    def one(group: Any, r: int, device: torch.device) -> qtransport.Transport:
-        return qtransport.OneAllToAll(group, r, device)
+# The codecs both transports run: no-op, a built-in and every test-local one.
+TRANSPORT_CODECS = (None, "int8", *LOCAL_CODECS)
+TRANSPORT_CLASSES = {
+    "point_to_point": qtransport.PointToPoint.__name__,
+    "all_to_all": qtransport.OneAllToAll.__name__,
+}
 
-    opened = qtransport.open_transport
-    expected = {
-        (op, codec): OPS[op](rank, world, codec, TINY, f"a2a-{op}")
-        for op in OPS
-        for codec in (None, "int8", "test_row_int8", "test_tensor_int8")
-    }
-    for module in ("pooled", "reduce_scatter", "sequence"):
-        getattr(qcomm.collectives, module).open_transport = one
+
+def case_transports_agree(rank: int, world: int) -> None:
+    # Every call once on each transport, forced alike on every rank between
+    # calls; the point-to-point one in tiny chunks, the all-to-all one (NCCL's)
+    # in one piece per peer. Each call (forward and backward pass, or the
+    # all-reduce's two exchanges) must open two transports of the kind forced.
+    calls = {**OPS, "all_reduce": reduced}
+    results: dict[tuple[str, str, str | None], Any] = {}
+    wrong = []
+    spawned_with = os.environ.get(qtransport.ENV)
     try:
-        checks = [
-            functools.partial(
-                lambda op, codec, ref: same_bits(
-                    f"{op} {codec} one all-to-all",
-                    ref,
-                    OPS[op](rank, world, codec, TINY, f"a2a-{op}"),
-                ),
-                op,
-                codec,
-                ref,
-            )
-            for (op, codec), ref in expected.items()
-        ]
-        run_all(checks)
+        for transport, cls in TRANSPORT_CLASSES.items():
+            os.environ[qtransport.ENV] = transport
+            for op, call in calls.items():
+                for codec in TRANSPORT_CODECS:
+                    before = collections.Counter(qtransport.opened)
+                    results[transport, op, codec] = call(rank, world, codec, TINY, f"t-{op}")
+                    moved = dict(qtransport.opened - before)
+                    if moved != {cls: 2}:
+                        wrong.append(f"{op} {codec} with {transport} forced opened {moved}")
     finally:
-        for module in ("pooled", "reduce_scatter", "sequence"):
-            getattr(qcomm.collectives, module).open_transport = opened
+        if spawned_with is None:
+            os.environ.pop(qtransport.ENV, None)
+        else:
+            os.environ[qtransport.ENV] = spawned_with
+    assert not wrong, "; ".join(wrong)
+    run_all(
+        [
+            functools.partial(
+                same_bits,
+                f"{op} {codec} one all-to-all against point-to-point",
+                results["point_to_point", op, codec],
+                results["all_to_all", op, codec],
+            )
+            for op in calls
+            for codec in TRANSPORT_CODECS
+        ]
+    )
 
 
-class FailsLaterCodec(CastFP16Codec):
-    """Encodes its first chunk of each call, then raises: the call fails half-way."""
+class FailsHalfWayCodec(CastFP16Codec):
+    """Counts its encodes; raises on encode number ``fail_at``: the call fails half-way."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail_at: int = 0) -> None:
         super().__init__()
-        self.info = CodecInfo(name="fails_later", bits_per_element=16, rel_error_bound=2.0**-11)
-        self.calls = 0
+        self.info = CodecInfo(name="fails_half_way", bits_per_element=16, rel_error_bound=2.0**-11)
+        self.fail_at = fail_at
+        self.encodes = 0
 
     def encode(self, input_tensor: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        self.calls += 1
-        if self.calls > 1:
+        self.encodes += 1
+        if self.encodes == self.fail_at:
             raise RuntimeError("no more chunks today")
         return super().encode(input_tensor, ctx)
 
@@ -183,14 +220,25 @@ def expect_error(error: type[BaseException], words: tuple[str, ...], fn: Callabl
 
 
 def case_failure_half_way_leaves_the_group_usable(rank: int, world: int) -> None:
+    # A call encodes one piece per chunk (point-to-point) or per peer (all-to-all,
+    # NCCL's): counted on a good call, then a call fails on the encode after
+    # half of them, with pieces already encoded (and some sent).
     batches, dims = [64] * world, [16] * world
     x = gen(f"fail:x{rank}", (sum(batches), dims[rank]), False)
-    codecs = QuantizedCommCodecs(forward=FailsLaterCodec(), backward=FailsLaterCodec())
+
+    def call(codec: FailsHalfWayCodec) -> Any:
+        codecs = QuantizedCommCodecs(forward=codec, backward=CastFP16Codec())
+        return qcomm.all_to_all_pooled(x, batches, dims, codecs=codecs, chunk_bytes=TINY).wait()
+
+    counting = FailsHalfWayCodec()
+    call(counting)
+    pieces = counting.encodes
+    assert pieces >= 2, f"a call of {pieces} encode(s) cannot fail half-way"
+    failing = FailsHalfWayCodec(fail_at=pieces // 2 + 1)
     expect_error(
-        CodecError,
-        ("fails_later", "no more chunks today"),
-        lambda: qcomm.all_to_all_pooled(x, batches, dims, codecs=codecs, chunk_bytes=TINY),
+        CodecError, ("fails_half_way", "no more chunks today"), functools.partial(call, failing)
     )
+    assert failing.encodes == pieces // 2 + 1, f"failed on encode {failing.encodes} of {pieces}"
     # The next calls, chunked, still line up on every rank.
     for op in OPS:
         ref = OPS[op](rank, world, None, WHOLE, f"after-{op}")
@@ -239,10 +287,37 @@ CASES: dict[str, Callable[[int, int], None]] = {
     "noop": functools.partial(case_chunking, codec=None),
     **{f"chunking[{c}]": functools.partial(case_chunking, codec=c) for c in CODEC_NAMES},
     "automatic_chunks": case_automatic_chunks_of_a_large_call,
-    "one_all_to_all_transport": case_one_all_to_all_transport,
     "failure_half_way": case_failure_half_way_leaves_the_group_usable,
     "chunk_bytes_checked": case_chunk_bytes_is_checked,
+    # Switches transports itself: run in the point-to-point spawn, reported
+    # by test_transports_give_the_same_bits.
+    "transports_agree": case_transports_agree,
 }
+# What cannot mean anything on the all-to-all transport, which sends every
+# peer one piece (it never chunks): comparing chunk sizes (noop, chunking[*],
+# automatic_chunks: case_transports_agree compares it with chunked
+# point-to-point instead), and a failure half-way on 2 ranks (one peer: one
+# encode per call).
+NOT_ON_ALL_TO_ALL = {
+    (world, case)
+    for world in WORLD_SIZES
+    for case in CASES
+    if case in ("noop", "automatic_chunks") or case.startswith("chunking[")
+} | {(2, "failure_half_way")}
+CASES_ON = {
+    "point_to_point": {world: list(CASES) for world in WORLD_SIZES},
+    "all_to_all": {
+        world: [c for c in CASES if (world, c) not in NOT_ON_ALL_TO_ALL and c != "transports_agree"]
+        for world in WORLD_SIZES
+    },
+}
+PARAMS = [
+    (transport, world, case)
+    for transport in TRANSPORTS
+    for world in WORLD_SIZES
+    for case in CASES_ON[transport][world]
+    if case != "transports_agree"
+]
 
 
 def run_case(name: str, rank: int, world: int) -> None:
@@ -250,16 +325,36 @@ def run_case(name: str, rank: int, world: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def spawned() -> Callable[[int], dict[str, str | None]]:
-    return per_world_size(run_case, list(CASES), timeout=600.0, pg_timeout=30.0)
+def spawned() -> Callable[[str, int], dict[str, Outcome]]:
+    """One spawn per transport and world size, on first use, its outcome remembered."""
+    runs = {
+        (transport, world): outcomes_per_world_size(
+            run_case, cases[world], env=transport_env(transport), timeout=600.0, pg_timeout=30.0
+        )
+        for transport, cases in CASES_ON.items()
+        for world in WORLD_SIZES
+    }
+    return lambda transport, world: runs[transport, world](world)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("transport", "world", "case"), PARAMS)
+def test_pipeline(
+    transport: str, world: int, case: str, spawned: Callable[[str, int], dict[str, Outcome]]
+) -> None:
+    check_case(spawned(transport, world)[case], f"{case} on {world} ranks, {transport}", transport)
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_pipeline(world: int, case: str, spawned: Callable[[int], dict[str, str | None]]) -> None:
-    failure = spawned(world)[case]
-    if failure:
-        pytest.fail(f"{case} on {world} ranks:\n{failure}", pytrace=False)
+def test_transports_give_the_same_bits(
+    world: int, spawned: Callable[[str, int], dict[str, Outcome]]
+) -> None:
+    outcome = spawned("point_to_point", world)["transports_agree"]
+    check_case(outcome, f"transports_agree on {world} ranks", None)
+    # Counted by the case call by call; here, that each rank opened both.
+    for rank, opened in enumerate(outcome.opened):
+        assert all(opened.get(cls, 0) > 0 for cls in TRANSPORT_CLASSES.values()), (
+            f"rank {rank} opened {opened}"
+        )
 
 
 # --------------------------------------------------------------------------

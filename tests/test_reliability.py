@@ -1,19 +1,24 @@
 """Reliability: bad arguments, lying codecs, ranks that disagree, ranks that die,
 malformed wire data and plugin isolation.
 
-One spawn of 3 gloo ranks runs the multi-rank cases (each reported as its own
-test); every case ends with a valid call whose exact result shows that the
-failures before it sent nothing and left the ranks in step. Dead and stalled
-ranks get spawns of their own with a short process-group timeout. Malformed
+One spawn of 3 gloo ranks per transport (forced with ``QCOMM_TRANSPORT``:
+gloo's point-to-point, and the all-to-all NCCL takes) runs the multi-rank cases
+(each reported as its own test, which also checks that the case opened the
+transport it names and no other); every case ends with a valid call whose
+exact result shows that the failures before it sent nothing and left the
+ranks in step. Dead and stalled ranks get spawns of their own with a short
+process-group timeout, on each transport too. Malformed
 wire data and ``qcomm list`` run in fresh interpreters, so that a crash or an
 import is seen instead of taking pytest down or hiding behind earlier imports.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,7 +29,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import RankFailure, run_cases, run_ranks
+from dist_utils import (
+    TRANSPORTS,
+    Outcome,
+    RankFailure,
+    check_case,
+    outcomes_per_world_size,
+    run_ranks,
+    transport_env,
+    wrong_transport,
+)
 from fake_dists import make_dist
 from test_collectives import (
     POOLED,
@@ -39,7 +53,9 @@ from test_collectives import (
 import qcomm
 import qcomm.collectives._agreement as qverify
 import qcomm.collectives._describe as qdescribe
+import qcomm.collectives._transport as qtransport
 from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
+from qcomm.collectives.all_reduce import all_reduce
 
 WORLD = 3
 
@@ -406,10 +422,14 @@ def case_verification_modes(rank: int, world: int) -> None:
             qcomm.all_to_all_pooled(x, batches, dims, group=group).wait()
             qcomm.reduce_scatter_pooled(x, group=group).wait()
             qcomm.reduce_scatter_pooled(x, group=group).wait()
+            # The DDP all-reduce, with codecs as its hook runs it.
+            for _ in range(2):
+                all_reduce(torch.ones(64), group=group, reduce_codec=int8, gather_codec=fp16)
             return list(exchanges)
 
-        first = ["all_to_all_pooled", "reduce_scatter_pooled"]
-        every = ["all_to_all_pooled"] * 2 + ["reduce_scatter_pooled"] * 2
+        int8, fp16 = qcomm.load_codec("int8"), qcomm.load_codec("fp16")
+        first = ["all_to_all_pooled", "reduce_scatter_pooled", "all_reduce"]
+        every = ["all_to_all_pooled"] * 2 + ["reduce_scatter_pooled"] * 2 + ["all_reduce"] * 2
         results = {
             "default, new group": with_env(None, lambda: calls(dist.new_group())),
             "QCOMM_VERIFY=1": with_env("1", lambda: calls(None)),
@@ -472,15 +492,22 @@ def run_case(case: str, rank: int, world: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def spawned() -> dict[str, str | None]:
-    return run_cases(run_case, WORLD, list(CASES), timeout=300.0, pg_timeout=20.0)
+def spawned() -> dict[str, Callable[[int], dict[str, Outcome]]]:
+    return {
+        transport: outcomes_per_world_size(
+            run_case, list(CASES), env=transport_env(transport), timeout=300.0, pg_timeout=20.0
+        )
+        for transport in TRANSPORTS
+    }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_multi_rank(case: str, spawned: dict[str, str | None]) -> None:
-    failure = spawned[case]
-    if failure:
-        pytest.fail(f"{case} on {WORLD} ranks:\n{failure}", pytrace=False)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_multi_rank(
+    transport: str, case: str, spawned: dict[str, Callable[[int], dict[str, Outcome]]]
+) -> None:
+    outcome = spawned[transport](WORLD)[case]
+    check_case(outcome, f"{case} on {WORLD} ranks, {transport}", transport)
 
 
 def test_describe_codec_ignores_device_index_and_address_and_sees_options() -> None:
@@ -519,6 +546,14 @@ def start_any(rank: int, world: int, i: int) -> Any:
 
 
 def dying_rank(rank: int, world: int, scenario: str) -> None:
+    try:
+        die_or_survive(rank, world, scenario)
+    except Exception as err:
+        # The survivor's error says which transports it opened.
+        raise RuntimeError(f"opened {dict(qtransport.opened)!r}") from err
+
+
+def die_or_survive(rank: int, world: int, scenario: str) -> None:
     if scenario == "exit_mid_run":
         # Rank 1 exits with calls of its own in flight; rank 0 keeps going.
         for i in range(400):
@@ -541,13 +576,26 @@ def dying_rank(rank: int, world: int, scenario: str) -> None:
 
 
 @pytest.mark.parametrize("scenario", ["exit_mid_run", "exit_before_first_call", "stall"])
-def test_survivor_raises_when_a_rank_is_gone(scenario: str) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_survivor_raises_when_a_rank_is_gone(transport: str, scenario: str) -> None:
     # After a rank exits, rank 0 gets 4 timeouts to raise before it is killed;
     # when rank 0 raises first (stall), the sleeping rank is killed at once.
     grace = 1.0 if scenario == "stall" else 4 * PG_TIMEOUT
     with pytest.raises(RankFailure) as info:
-        run_ranks(dying_rank, 2, scenario, timeout=90.0, pg_timeout=PG_TIMEOUT, grace=grace)
+        run_ranks(
+            dying_rank,
+            2,
+            scenario,
+            timeout=90.0,
+            pg_timeout=PG_TIMEOUT,
+            grace=grace,
+            env=transport_env(transport),
+        )
     tracebacks = info.value.tracebacks
+    opened = re.search(r"RuntimeError: opened (\{.*\})", tracebacks.get(0, ""))
+    assert opened is not None, f"rank 0 did not say what it opened: {tracebacks}"
+    problem = wrong_transport([ast.literal_eval(opened.group(1))], transport)
+    assert problem is None, problem
     assert 0 in tracebacks, f"rank 0 hung until killed instead of raising: {tracebacks}"
     survivor = tracebacks[0]
     assert "finished without noticing" not in survivor, survivor

@@ -404,7 +404,15 @@ class _Call:
         recvs = [(s, Flat(acc, padded[rank])) for s in recv_order(rank, world) if mine]
         transport = self._open()
         finish = start_exchange(
-            sends, recvs, tap, ctx, transport, buf.dtype, self.chunk_bytes, True
+            sends,
+            recvs,
+            tap,
+            ctx,
+            transport,
+            buf.dtype,
+            self.chunk_bytes,
+            True,
+            "all_reduce reduce-scatter",
         )
         if isinstance(tap, _Tap):
             tap.drain()
@@ -447,7 +455,16 @@ class _Call:
             (s, Flat(self.block(s), padded[s])) for s in recv_order(rank, world) if self.lengths[s]
         ]
         transport = self._open()
-        finish = start_exchange(sends, recvs, tap, ctx, transport, buf.dtype, self.chunk_bytes)
+        finish = start_exchange(
+            sends,
+            recvs,
+            tap,
+            ctx,
+            transport,
+            buf.dtype,
+            self.chunk_bytes,
+            call="all_reduce all-gather",
+        )
         if isinstance(tap, _Tap):
             tap.drain()
         finish()
