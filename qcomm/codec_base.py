@@ -242,8 +242,10 @@ class BlockContext:
         padded_dim_sum_per_rank (list[int], optional): every rank's padded
             width, from ``padded_size``. Default: ``None``.
         row_length (int, optional): where ``encode``'s wire may be cut: the
-            row length when it padded rows, else ``row_dim``. Default: ``None``.
-        input_length (int, optional): elements ``encode`` got. Default: ``None``.
+            row length when it padded rows that ``padded_size`` did not
+            declare, else ``row_dim``. Default: ``None``.
+        input_length (int, optional): elements ``encode`` got, counted with
+            the rows' padding where ``row_length`` is ``row_dim``. Default: ``None``.
     """
 
     row_dim: int
@@ -265,7 +267,9 @@ class BlockCodec(_Codec):
     :meth:`dequantize` (whole blocks); the base keeps the rest of the
     contract (:doc:`codecs`). Rows of a 2-D input that are not whole blocks
     are padded one by one, and a ``decode`` with the context of the
-    ``encode`` drops that padding. The example plugin and
+    ``encode`` drops that padding, unless :meth:`padded_size` declared it on
+    that context: then, as with fbgemm's codecs, ``calc_quantized_size``
+    counts padded rows and ``decode`` returns them. The example plugin and
     ``qcomm_builtin.int4`` are short subclasses to copy.
 
     Args:
@@ -354,7 +358,13 @@ class BlockCodec(_Codec):
         """
         flat, row = self._rows(input_tensor)
         if isinstance(ctx, BlockContext):
-            ctx.row_length, ctx.input_length = row, input_tensor.numel()
+            if ctx.padded_dim_sum_per_rank is not None:
+                # padded_size declared the padding (TorchRec's pooled path, the
+                # codec tests of TorchRec and fbgemm): sizes and decode count the
+                # padded rows, as fbgemm's codecs do.
+                row = self.block
+            ctx.row_length = row
+            ctx.input_length = flat.numel() if row == self.block else input_tensor.numel()
         return self.quantize(flat)
 
     def decode(self, input_grad: torch.Tensor, ctx: BlockContext | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["DISABLE_ENV", "kernels", "lines_of"]
+__all__ = ["DISABLE_ENV", "kernel_input", "kernels", "lines_of"]
 
 DISABLE_ENV = "QCOMM_DISABLE_KERNELS"
 
@@ -45,14 +45,34 @@ def kernels() -> ModuleType | None:
     return _load()
 
 
-def lines_of(out: torch.Tensor, block: int) -> tuple[int, int] | None:
+def kernel_input(t: torch.Tensor, dtype: torch.dtype, unit: int = 1) -> torch.Tensor | None:
     r"""
-    lines_of(out: Tensor, block: int) -> tuple[int, int] | None
+    kernel_input(t: Tensor, dtype: torch.dtype, unit: int = 1) -> Tensor | None
 
-    ``(width, stride)`` when a kernel can write ``out`` row-major as lines of
-    ``width`` floats ``stride`` apart, each whole blocks; else ``None``.
+    ``t`` as the contiguous 1-D CPU tensor a kernel reads (a copy of a strided
+    view), or ``None`` where the torch code must take it: another device or
+    dtype, or a length not a multiple of ``unit``. A kernel reads the memory at
+    ``data_ptr()`` as packed elements of ``dtype``; anything else would make
+    it read outside ``t``.
     """
-    if out.device.type != "cpu" or out.requires_grad:
+    if t.device.type != "cpu" or t.dtype != dtype or t.numel() % unit:
+        return None
+    return t.reshape(-1).contiguous()
+
+
+def lines_of(out: torch.Tensor, numel: int, block: int) -> tuple[int, int] | None:
+    r"""
+    lines_of(out: Tensor, numel: int, block: int) -> tuple[int, int] | None
+
+    ``(width, stride)`` when a kernel can write ``numel`` float32 values into
+    ``out`` row-major as lines of ``width`` floats ``stride`` apart, each whole
+    blocks; else ``None``: ``out`` is not a float32 CPU tensor of exactly
+    ``numel`` elements (the torch code then raises as it does), or not laid
+    out so.
+    """
+    if out.device.type != "cpu" or out.requires_grad or out.dtype != torch.float32:
+        return None
+    if numel == 0 or out.numel() != numel:
         return None
     if out.is_contiguous():
         return out.numel(), out.numel()

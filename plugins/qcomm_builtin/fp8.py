@@ -26,7 +26,7 @@ import torch
 
 from qcomm import BlockCodec, CodecInfo
 from qcomm_builtin._fbgemm import cuda_op
-from qcomm_builtin._native import kernels, lines_of
+from qcomm_builtin._native import kernel_input, kernels, lines_of
 
 __all__ = ["DEFAULT_ROW_DIM", "FP8E4M3Codec", "FP8E5M2Codec"]
 
@@ -106,10 +106,11 @@ class _RowwiseFP8Codec(BlockCodec):
         out[:, self._values_bytes : self._values_bytes + 4] = scale.view(torch.uint8)
 
     def quantize(self, flat: torch.Tensor) -> torch.Tensor:
-        k = kernels() if flat.device.type == "cpu" else None
-        if k is not None:
-            out = torch.empty(self.calc_quantized_size(flat.numel()), dtype=torch.uint8)
-            k.fp8_encode(flat.data_ptr(), flat.numel(), out.data_ptr(), self.block, self._e5m2)
+        k = kernels() if flat.device.type == "cpu" and flat.dim() == 1 else None
+        src = kernel_input(flat, torch.float32) if k is not None else None
+        if k is not None and src is not None:
+            out = torch.empty(self.calc_quantized_size(src.numel()), dtype=torch.uint8)
+            k.fp8_encode(src.data_ptr(), src.numel(), out.data_ptr(), self.block, self._e5m2)
             return out
         rows = self.pad_blocks(flat).view(-1, self.block)
         # Zero-filled, so padding bytes and the reserved 4 bytes are 0.
@@ -123,11 +124,12 @@ class _RowwiseFP8Codec(BlockCodec):
         if rows.shape[0] == 0:
             return torch.zeros(0, device=rows.device)
         k = kernels() if rows.device.type == "cpu" else None
-        if k is not None:
+        src = kernel_input(wire, torch.uint8, self.wire_per_block) if k is not None else None
+        if k is not None and src is not None:
             n = rows.shape[0] * self.block
             out = torch.empty(n, dtype=torch.float32)
             k.fp8_decode(
-                wire.data_ptr(), rows.shape[0], out.data_ptr(), self.block, self._e5m2, n, n
+                src.data_ptr(), rows.shape[0], out.data_ptr(), self.block, self._e5m2, n, n
             )
             return out
         # fbgemm's CUDA kernel decodes in one pass what takes two here, to the
@@ -151,12 +153,13 @@ class _RowwiseFP8Codec(BlockCodec):
 
     def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:
         k = kernels() if wire.device.type == "cpu" else None
-        lines = lines_of(out, self.block) if k is not None else None
-        if k is None or lines is None:
+        src = kernel_input(wire, torch.uint8, self.wire_per_block) if k is not None else None
+        blocks = wire.numel() // self.wire_per_block
+        lines = lines_of(out, blocks * self.block, self.block) if src is not None else None
+        if k is None or src is None or lines is None:
             super().dequantize_into(wire, out)
             return
-        blocks = wire.numel() // self.wire_per_block
-        k.fp8_decode(wire.data_ptr(), blocks, out.data_ptr(), self.block, self._e5m2, *lines)
+        k.fp8_decode(src.data_ptr(), blocks, out.data_ptr(), self.block, self._e5m2, *lines)
 
 
 class FP8E4M3Codec(_RowwiseFP8Codec):

@@ -13,6 +13,7 @@ import torch
 
 from qcomm import CodecInfo, ElementwiseCodec
 from qcomm.types import dtype_bits
+from qcomm_builtin._memory import empty
 
 __all__ = ["BF16Codec", "FP16Codec"]
 
@@ -91,11 +92,14 @@ class _HalfCodec(ElementwiseCodec):
         # the largest finite value becomes +-inf, which the clamp turns back into
         # it, like values clamped before the cast; NaN stays NaN either way. It
         # saves a float32 temporary and two of fbgemm's three passes over it.
+        # The cast writes a buffer backed by huge pages (faulting a large
+        # one in 4 KiB pages costs more than the cast); copy_ rounds as .to does.
         scaled = flat if self._loss_scale is None else flat * self._loss_scale
-        return scaled.to(self._dtype).clamp_(-self._max, self._max)
+        out = empty(tuple(flat.shape), self._dtype, flat.device).copy_(scaled)
+        return out.clamp_(-self._max, self._max)
 
     def dequantize(self, wire: torch.Tensor) -> torch.Tensor:
-        out = wire.float()
+        out = empty(tuple(wire.shape), torch.float32, wire.device).copy_(wire)
         return out if self._loss_scale is None else out.div_(self._loss_scale)
 
     def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from qcomm import BlockCodec, CodecInfo
 from qcomm_builtin._fbgemm import cuda_op, fbgemm_ops
-from qcomm_builtin._native import kernels, lines_of
+from qcomm_builtin._native import kernel_input, kernels, lines_of
 
 __all__ = ["DEFAULT_ROW_DIM", "Int8Codec"]
 
@@ -162,10 +162,11 @@ class Int8Codec(BlockCodec):
         return torch.uint8
 
     def quantize(self, flat: torch.Tensor) -> torch.Tensor:
-        k = kernels() if flat.device.type == "cpu" else None
-        if k is not None:
-            out = torch.empty(self.calc_quantized_size(flat.numel()), dtype=torch.uint8)
-            k.int8_encode(flat.data_ptr(), flat.numel(), out.data_ptr(), self.block)
+        k = kernels() if flat.device.type == "cpu" and flat.dim() == 1 else None
+        src = kernel_input(flat, torch.float32) if k is not None else None
+        if k is not None and src is not None:
+            out = torch.empty(self.calc_quantized_size(src.numel()), dtype=torch.uint8)
+            k.int8_encode(src.data_ptr(), src.numel(), out.data_ptr(), self.block)
             return out
         rows = self.pad_blocks(flat).view(-1, self.block)
         if rows.shape[0] == 0:
@@ -174,8 +175,8 @@ class Int8Codec(BlockCodec):
         # range before inverting it, so its codes can differ in every row whose
         # range is below 0.25 (where adding 1e-8 still changes a float32).
         ops = fbgemm_ops() if rows.device.type == "cpu" else None
-        if ops is not None:
-            return _quantize_rows_fbgemm(ops, rows).view(-1)
+        if ops is not None:  # fbgemm reads a strided view as if it were packed
+            return _quantize_rows_fbgemm(ops, rows.contiguous()).view(-1)
         out = torch.empty(rows.shape[0], self.wire_per_block, dtype=torch.uint8, device=rows.device)
         _quantize_rows(rows, out)
         return out.view(-1)
@@ -186,14 +187,15 @@ class Int8Codec(BlockCodec):
         if rows.shape[0] == 0:
             return torch.zeros(0, device=rows.device)
         k = _decode_kernels() if rows.device.type == "cpu" else None
-        if k is not None:
+        src = kernel_input(wire, torch.uint8, self.wire_per_block) if k is not None else None
+        if k is not None and src is not None:
             n = rows.shape[0] * d
             out = torch.empty(n, dtype=torch.float32)
-            k.int8_decode(wire.data_ptr(), rows.shape[0], out.data_ptr(), d, n, n, _rounds_once())
+            k.int8_decode(src.data_ptr(), rows.shape[0], out.data_ptr(), d, n, n, _rounds_once())
             return out
         ops = fbgemm_ops() if rows.device.type == "cpu" else None
-        if ops is not None:
-            return ops.Fused8BitRowwiseQuantizedToFloat(rows).view(-1)
+        if ops is not None:  # fbgemm reads a strided view as if it were packed
+            return ops.Fused8BitRowwiseQuantizedToFloat(rows.contiguous()).view(-1)
         # fbgemm's CUDA kernel: one pass instead of three. Its q * scale + bias
         # is contracted to one fused multiply-add by nvcc, as torch's addcmul
         # is on CUDA (tests/test_codecs_cuda.py compares them). It expects each
@@ -206,9 +208,10 @@ class Int8Codec(BlockCodec):
 
     def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:
         k = _decode_kernels() if wire.device.type == "cpu" else None
-        lines = lines_of(out, self.block) if k is not None else None
-        if k is None or lines is None:
+        src = kernel_input(wire, torch.uint8, self.wire_per_block) if k is not None else None
+        blocks = wire.numel() // self.wire_per_block
+        lines = lines_of(out, blocks * self.block, self.block) if src is not None else None
+        if k is None or src is None or lines is None:
             super().dequantize_into(wire, out)
             return
-        blocks = wire.numel() // self.wire_per_block
-        k.int8_decode(wire.data_ptr(), blocks, out.data_ptr(), self.block, *lines, _rounds_once())
+        k.int8_decode(src.data_ptr(), blocks, out.data_ptr(), self.block, *lines, _rounds_once())

@@ -8,17 +8,15 @@ qcomm's C kernels (but for ``stochastic``) with the same bits.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import numbers
-import sys
-from collections.abc import Callable
 
 import torch
 
 from qcomm import BlockCodec, CodecInfo
-from qcomm_builtin._native import kernels, lines_of
+from qcomm_builtin._memory import empty as _empty
+from qcomm_builtin._native import kernel_input, kernels, lines_of
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
@@ -58,39 +56,6 @@ _THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 # more than the arithmetic. Few, large steps keep the number of parallel
 # regions low, which matters when other processes compete for the cores.
 _CHUNK_ELEMENTS = 1 << 22
-
-
-_HUGE_PAGE = 1 << 21
-_MADV_HUGEPAGE = 14  # Linux's value
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # A large fresh CPU buffer is faulted in page by page on its first write;
-    # with 4 KiB pages that costs more than all the decoding done into it.
-    # Where Linux keeps transparent huge pages for those who ask ("madvise"
-    # mode), asking cuts the faults 512-fold. Advice only: where it is
-    # refused or unknown, nothing changes.
-    out = torch.empty(shape, dtype=dtype, device=device)
-    size = out.numel() * out.element_size()
-    madvise = _madvise() if out.device.type == "cpu" and size >= 4 * _HUGE_PAGE else None
-    if madvise is not None:
-        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        stop = (out.data_ptr() + size) // _HUGE_PAGE * _HUGE_PAGE
-        madvise(start, stop - start, _MADV_HUGEPAGE)
-    return out
 
 
 # The lookup tables are built on the device that uses them, from Python
@@ -431,14 +396,16 @@ class MX4Codec(BlockCodec):
         return torch.uint8
 
     def quantize(self, flat: torch.Tensor) -> torch.Tensor:
-        k = kernels() if flat.device.type == "cpu" and self._rounding != "stochastic" else None
-        table = _exponent_table(self._rounding) if k is not None else None
-        if k is not None and table is not None:
-            out = _empty((self.calc_quantized_size(flat.numel()),), torch.uint8, flat.device)
+        use = flat.device.type == "cpu" and flat.dim() == 1 and self._rounding != "stochastic"
+        k = kernels() if use else None
+        src = kernel_input(flat, torch.float32) if k is not None else None
+        table = _exponent_table(self._rounding) if src is not None else None
+        if k is not None and src is not None and table is not None:
+            out = _empty((self.calc_quantized_size(src.numel()),), torch.uint8, src.device)
             pre_round = self._rounding == "even"
             k.mx4_encode(
-                flat.data_ptr(),
-                flat.numel(),
+                src.data_ptr(),
+                src.numel(),
                 out.data_ptr(),
                 self.block,
                 pre_round,
@@ -455,23 +422,25 @@ class MX4Codec(BlockCodec):
 
     def dequantize(self, wire: torch.Tensor) -> torch.Tensor:
         k = kernels() if wire.device.type == "cpu" else None
-        if k is not None:
-            groups = wire.numel() // self.wire_per_block
+        src = kernel_input(wire, torch.uint8, self.wire_per_block) if k is not None else None
+        if k is not None and src is not None:
+            groups = src.numel() // self.wire_per_block
             n = groups * self.block
-            out = _empty((n,), torch.float32, wire.device)
+            out = _empty((n,), torch.float32, src.device)
             if n:
-                k.mx4_decode(wire.data_ptr(), groups, out.data_ptr(), self.block, n, n)
+                k.mx4_decode(src.data_ptr(), groups, out.data_ptr(), self.block, n, n)
             return out
         return decode_mx4(wire, self.block)
 
     def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:
         k = kernels() if wire.device.type == "cpu" else None
-        lines = lines_of(out, self.block) if k is not None else None
-        if k is None or lines is None:
+        src = kernel_input(wire, torch.uint8, self.wire_per_block) if k is not None else None
+        groups = wire.numel() // self.wire_per_block
+        lines = lines_of(out, groups * self.block, self.block) if src is not None else None
+        if k is None or src is None or lines is None:
             super().dequantize_into(wire, out)
             return
-        groups = wire.numel() // self.wire_per_block
-        k.mx4_decode(wire.data_ptr(), groups, out.data_ptr(), self.block, *lines)
+        k.mx4_decode(src.data_ptr(), groups, out.data_ptr(), self.block, *lines)
 
     def __repr__(self) -> str:
         return f"MX4Codec(group_size={self.block}, rounding={self._rounding!r})"

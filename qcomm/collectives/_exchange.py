@@ -15,6 +15,7 @@ same bits as an unchunked one.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -203,7 +204,7 @@ def start_exchange(
     last_out = {p: i for i, (to, *_) in enumerate(outgoing) for p in to}
     last_in = {i[0]: n for n, i in enumerate(incoming)}
     extra = _header.status_elements(wdtype)
-    print_, name = fingerprint(codec)
+    print_, name = _status_print(codec, identity)
     flows = _flows(peers, incoming, outgoing)
 
     def encode(region: Region | None, start: int, stop: int, size: int) -> torch.Tensor:
@@ -344,6 +345,26 @@ def start_exchange(
             region.write(start, stop, checked_decode(codec, ctx, wire, stop - start), add)
 
     return finish
+
+
+# The codec fingerprints that statuses carry, by codec object: computed once
+# per object (a codec changed in place after its first call goes unseen here;
+# the agreement check and QCOMM_VERIFY=1 compare it in full every time).
+_prints: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+
+
+def _status_print(codec: Any, identity: bool) -> tuple[int, str]:
+    """The fingerprint and name of ``codec`` for this call's statuses (and headers)."""
+    if identity:
+        # qcomm's own no-op codec: the dtype (in the status) says it all.
+        return 0, "noop"
+    try:
+        found = _prints.get(codec)
+        if found is None:
+            found = _prints[codec] = fingerprint(codec)
+        return found
+    except TypeError:  # not weakly referenceable, or unhashable
+        return fingerprint(codec)
 
 
 def _flows(
