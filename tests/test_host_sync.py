@@ -125,9 +125,10 @@ def _contract_calls(codec: Any, x: torch.Tensor) -> list[torch.Tensor]:
     # ending in a partial block, without a context.
     ctx = codec.create_context()
     width = x.shape[1]
-    codec.padded_size(x, [width, width + 3], 0, ctx)
+    padded, _ = codec.padded_size(x, [width, width + 3], 0, ctx)
     wire = codec.encode(x, ctx)
-    assert codec.calc_quantized_size(x.numel(), ctx) == wire.numel()
+    # After padded_size, sizes count the padded rows (as fbgemm's codecs do).
+    assert codec.calc_quantized_size(x.shape[0] * padded, ctx) == wire.numel()
     back = codec.decode(wire, ctx)
     into = torch.empty(back.numel(), device=x.device)
     codec.decode_into(wire, into, ctx)

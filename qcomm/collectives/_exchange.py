@@ -276,7 +276,7 @@ def start_exchange(
     expected = {
         p: _header.identity(call, transport.number, print_, str(dtype), flows[p][1]) for p in agreed
     }
-    statuses: dict[int, torch.Tensor] = {}
+    statuses: dict[int, bytes | torch.Tensor] = {}
 
     def status_problems() -> str | None:
         # One read of every status: on a GPU, the one host synchronisation
@@ -284,10 +284,14 @@ def start_exchange(
         if not statuses:
             return None
         order = sorted(statuses)
-        parts = [statuses[p] for p in order]
-        # One copy to the host for all of them (one wait for the device).
-        together = parts[0] if len(parts) == 1 else torch.cat(parts)
-        blobs = together.cpu().numpy().tobytes()
+        on_device = [s for p in order if isinstance(s := statuses[p], torch.Tensor)]
+        # One copy to the host for all that are on a device (one wait for it).
+        if on_device:
+            host = iter(torch.cat(on_device).cpu().numpy().reshape(len(on_device), -1))
+        blobs = b"".join(
+            s if isinstance(s, bytes) else next(host).tobytes()
+            for s in (statuses[p] for p in order)
+        )
         width = _header.STATUS_BYTES
         said = [
             problem
@@ -303,7 +307,7 @@ def start_exchange(
             for peer, handle, region, start, stop, last_size in pending:
                 wire = transport.received(handle)
                 if last_size is not None:
-                    statuses[peer] = wire[last_size:].view(torch.uint8)[: _header.STATUS_BYTES]
+                    statuses[peer] = transport.status_of(handle, last_size)
                     wire = wire[:last_size]
                 if region is None:
                     continue
@@ -326,8 +330,8 @@ def start_exchange(
     def _receive_statuses() -> None:
         for peer, handle, _, _, _, last_size in pending:
             if last_size is not None and peer not in statuses:
-                tail = transport.received(handle)[last_size:]
-                statuses[peer] = tail.view(torch.uint8)[: _header.STATUS_BYTES]
+                transport.received(handle)
+                statuses[peer] = transport.status_of(handle, last_size)
 
     def _decode(wire: torch.Tensor, region: Region, start: int, stop: int) -> None:
         target = region.target(start, stop)

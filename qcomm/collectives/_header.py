@@ -140,10 +140,9 @@ def status_elements(dtype: torch.dtype) -> int:
     return -(-STATUS_BYTES // dtype.itemsize)
 
 
-def status(ok: bool, identity: int) -> torch.Tensor:
-    """A status as :data:`STATUS_BYTES` bytes (uint8, 1-D, CPU)."""
-    blob = struct.pack("<IIq", _STATUS_MAGIC, OK if ok else FAILED, identity)
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+def status(ok: bool, identity: int) -> bytes:
+    """A status, :data:`STATUS_BYTES` bytes."""
+    return struct.pack("<IIq", _STATUS_MAGIC, OK if ok else FAILED, identity)
 
 
 def status_problem(blob: bytes, expected: int, peer: int) -> str | None:

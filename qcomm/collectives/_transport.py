@@ -20,6 +20,7 @@ import os
 import weakref
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -126,6 +127,7 @@ class Transport:
         self._end = 0
         self._dtype = torch.uint8
         self._buffer: torch.Tensor | None = None
+        self._raw: Any = None  # the shared buffer's bytes, as numpy, once read
         self._sends: list[tuple[int, torch.Tensor]] = []
         #: whether this rank's headers have gone out (then a failure is told
         #: in-band, with the data, not by :meth:`fail`)
@@ -145,16 +147,17 @@ class Transport:
 
     def _shared(self, total: int) -> torch.Tensor:
         self._buffer = _buffers.take(total, self._dtype, self.device)
+        self._raw = None
         return self._buffer
 
     def start(self) -> None:
         """Posts the declared receives, where the backend allows it before any send."""
 
-    def send(self, peer: int, wire: torch.Tensor, status: torch.Tensor | None = None) -> None:
+    def send(self, peer: int, wire: torch.Tensor, status: bytes | None = None) -> None:
         """
-        Sends a contiguous 1-D wire to ``peer``, followed by ``status`` (CPU
-        bytes, padded to whole elements: see ``_header.status_elements``) where
-        given; the wire must stay unchanged until :meth:`close`.
+        Sends a contiguous 1-D wire to ``peer``, followed by ``status`` (padded
+        to whole elements: see ``_header.status_elements``) where given; the
+        wire must stay unchanged until :meth:`close`.
         """
         self._dtype = wire.dtype
         self._sends.append((peer, wire if status is None else _joined(wire, status)))
@@ -176,6 +179,24 @@ class Transport:
         # Made on the issuing stream, read where the call is waited for.
         _streams.use_here(self._buffer)
         return self._buffer[offset : offset + numel]
+
+    def status_of(self, handle: int, size: int) -> bytes | torch.Tensor:
+        """
+        The status after the first ``size`` elements of a received wire: its
+        bytes where it is on the CPU, else a device tensor of them (read later,
+        all at once).
+        """
+        _, offset, _, into = self._recvs[handle]
+        if into is not None or self._buffer is None:
+            raise AssertionError("qcomm: a status lands in the shared buffer")
+        start = (offset + size) * self._buffer.element_size()
+        stop = start + _header.STATUS_BYTES
+        if self.device.type == "cpu":
+            if self._raw is None:
+                self._raw = self._buffer.view(torch.uint8).numpy()
+            blob: bytes = self._raw[start:stop].tobytes()
+            return blob
+        return self._buffer.view(torch.uint8)[start:stop]
 
     def close(self) -> None:
         """Waits for every send and gives the receive buffer back for reuse."""
@@ -263,7 +284,7 @@ class PointToPoint(Transport):
             target = into.view(-1) if into is not None else buffer[offset : offset + numel]  # type: ignore[index]
             self._recv_work.append(self.group.recv([target], peer, self.tag))
 
-    def send(self, peer: int, wire: torch.Tensor, status: torch.Tensor | None = None) -> None:
+    def send(self, peer: int, wire: torch.Tensor, status: bytes | None = None) -> None:
         super().send(peer, wire, status)
         message = self._sends[-1][1]
         if message.numel():
@@ -298,7 +319,7 @@ class OneAllToAll(Transport):
     their own before the data.
     """
 
-    def send(self, peer: int, wire: torch.Tensor, status: torch.Tensor | None = None) -> None:
+    def send(self, peer: int, wire: torch.Tensor, status: bytes | None = None) -> None:
         # Laid out (copied) once, in flush(): no joined copy first.
         self._dtype = wire.dtype
         self._pieces.append((peer, wire, status))
@@ -310,7 +331,7 @@ class OneAllToAll(Transport):
         self._control_out: dict[int, torch.Tensor] = {}
         self._control_in: torch.Tensor | None = None
         self._forgotten: set[int] = set()
-        self._pieces: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        self._pieces: list[tuple[int, torch.Tensor, bytes | None]] = []
 
     def expect(
         self, peer: int, numel: int, dtype: torch.dtype, into: torch.Tensor | None = None
@@ -383,30 +404,39 @@ class OneAllToAll(Transport):
         super().close()
 
 
-def _status_elements(status: torch.Tensor | None, dtype: torch.dtype) -> int:
-    return 0 if status is None else -(-status.numel() // dtype.itemsize)
+def _status_elements(status: bytes | None, dtype: torch.dtype) -> int:
+    return 0 if status is None else -(-len(status) // dtype.itemsize)
 
 
-def _write(out: torch.Tensor, wire: torch.Tensor, status: torch.Tensor | None) -> None:
-    """Writes ``wire`` then ``status``'s bytes into ``out``."""
+def _write(out: torch.Tensor, wire: torch.Tensor, status: bytes | None) -> None:
+    """Writes ``wire`` then ``status`` into ``out``."""
+    size = wire.numel() * wire.element_size()
     if out.device.type == "cpu" and wire.device.type == "cpu" and wire.stride(-1) == 1:
         # numpy's copies cost a fraction of torch's per call: on small calls
         # this is most of what the status costs.
         raw = out.view(torch.uint8).numpy()
-        size = wire.numel() * wire.element_size()
         raw[:size] = wire.view(torch.uint8).numpy()
         if status is not None:
-            raw[size : size + status.numel()] = status.numpy()
+            raw[size : size + len(status)] = numpy.frombuffer(status, dtype=numpy.uint8)
         return
     out[: wire.numel()].copy_(wire)
     if status is not None:
-        tail = out[wire.numel() :].view(torch.uint8)
-        tail[: status.numel()].copy_(status, non_blocking=True)
+        tail = out.view(torch.uint8)[size : size + len(status)]
+        tail.copy_(torch.frombuffer(bytearray(status), dtype=torch.uint8), non_blocking=True)
 
 
-def _joined(wire: torch.Tensor, status: torch.Tensor) -> torch.Tensor:
+def _joined(wire: torch.Tensor, status: bytes) -> torch.Tensor:
     """``wire`` followed by ``status``, as one new tensor."""
-    size = wire.numel() + _status_elements(status, wire.dtype)
-    out = torch.empty(size, dtype=wire.dtype, device=wire.device)
+    if wire.device.type == "cpu" and wire.stride(-1) == 1:
+        size = wire.numel() * wire.element_size()
+        raw = numpy.empty(
+            size + _status_elements(status, wire.dtype) * wire.element_size(), numpy.uint8
+        )
+        raw[:size] = wire.view(torch.uint8).numpy()
+        raw[size : size + len(status)] = numpy.frombuffer(status, dtype=numpy.uint8)
+        return torch.from_numpy(raw).view(wire.dtype)
+    out = torch.empty(
+        wire.numel() + _status_elements(status, wire.dtype), dtype=wire.dtype, device=wire.device
+    )
     _write(out, wire, status)
     return out
