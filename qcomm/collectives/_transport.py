@@ -128,6 +128,7 @@ class Transport:
         self._dtype = torch.uint8
         self._buffer: torch.Tensor | None = None
         self._raw: Any = None  # the shared buffer's bytes, as numpy, once read
+        self._joined: list[torch.Tensor] = []  # messages made here (wire and status)
         self._sends: list[tuple[int, torch.Tensor]] = []
         #: whether this rank's headers have gone out (then a failure is told
         #: in-band, with the data, not by :meth:`fail`)
@@ -160,7 +161,10 @@ class Transport:
         wire must stay unchanged until :meth:`close`.
         """
         self._dtype = wire.dtype
-        self._sends.append((peer, wire if status is None else _joined(wire, status)))
+        if status is not None:
+            wire = _joined(wire, status)
+            self._joined.append(wire)
+        self._sends.append((peer, wire))
 
     def flush(self) -> None:
         """Called after the last send: a transport that sends everything at once does it here."""
@@ -201,6 +205,9 @@ class Transport:
     def close(self) -> None:
         """Waits for every send and gives the receive buffer back for reuse."""
         self._sends.clear()
+        for message in self._joined:
+            _buffers.give(message)
+        self._joined = []
         if self._buffer is not None:
             _buffers.give(self._buffer)
             self._buffer = None
@@ -277,10 +284,18 @@ class PointToPoint(Transport):
     def start(self) -> None:
         shared = any(into is None and numel for _, _, numel, into in self._recvs)
         buffer = self._shared(self._end) if shared else None
+        raw = buffer.view(torch.uint8).numpy() if buffer is not None else None
         for peer, offset, numel, into in self._recvs:
             if not numel:
                 self._recv_work.append(None)
                 continue
+            if into is None:
+                # Kept memory may hold an earlier call's status where this
+                # call expects one, and gloo takes a message shorter than
+                # posted without a word: a peer that sent too little must
+                # not leave an old status in sight. Statuses end a message.
+                end = (offset + numel) * self._dtype.itemsize
+                raw[max(0, end - _header.STATUS_BYTES * 2) : end] = 0  # type: ignore[index]
             target = into.view(-1) if into is not None else buffer[offset : offset + numel]  # type: ignore[index]
             self._recv_work.append(self.group.recv([target], peer, self.tag))
 
@@ -327,7 +342,6 @@ class OneAllToAll(Transport):
     def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
         super().__init__(group, rank, device)
         self._work: Any = None
-        self._keep: list[torch.Tensor] = []
         self._control_out: dict[int, torch.Tensor] = {}
         self._control_in: torch.Tensor | None = None
         self._forgotten: set[int] = set()
@@ -379,7 +393,8 @@ class OneAllToAll(Transport):
                 recv_sizes[peer] = _aligned(numel, self._dtype)
         if self.world == 1:
             return  # no peers: no communication at all
-        send = torch.empty(sum(send_sizes), dtype=self._dtype, device=self.device)
+        send = _buffers.take(sum(send_sizes), self._dtype, self.device)
+        self._joined.append(send)  # given back once the all-to-all is done
         starts = [sum(send_sizes[:p]) for p in range(self.world)]
         for peer, wire, status in self._pieces:
             _write(send[starts[peer] : starts[peer] + send_sizes[peer]], wire, status)
@@ -388,7 +403,6 @@ class OneAllToAll(Transport):
         starts = [sum(recv_sizes[:p]) for p in range(self.world)]
         self._recvs = [(peer, starts[peer], numel, None) for peer, _, numel, _ in self._recvs]
         recv = self._shared(sum(recv_sizes))
-        self._keep = [send]
         self._work = dist.all_to_all_single(
             recv, send, recv_sizes, send_sizes, group=self.group, async_op=True
         )
@@ -400,7 +414,6 @@ class OneAllToAll(Transport):
 
     def close(self) -> None:
         self._wait_for(0)
-        self._keep = []
         super().close()
 
 
@@ -426,17 +439,8 @@ def _write(out: torch.Tensor, wire: torch.Tensor, status: bytes | None) -> None:
 
 
 def _joined(wire: torch.Tensor, status: bytes) -> torch.Tensor:
-    """``wire`` followed by ``status``, as one new tensor."""
-    if wire.device.type == "cpu" and wire.stride(-1) == 1:
-        size = wire.numel() * wire.element_size()
-        raw = numpy.empty(
-            size + _status_elements(status, wire.dtype) * wire.element_size(), numpy.uint8
-        )
-        raw[:size] = wire.view(torch.uint8).numpy()
-        raw[size : size + len(status)] = numpy.frombuffer(status, dtype=numpy.uint8)
-        return torch.from_numpy(raw).view(wire.dtype)
-    out = torch.empty(
-        wire.numel() + _status_elements(status, wire.dtype), dtype=wire.dtype, device=wire.device
-    )
+    """``wire`` followed by ``status``, in a buffer from ``_buffers`` (give it back)."""
+    size = wire.numel() + _status_elements(status, wire.dtype)
+    out = _buffers.take(size, wire.dtype, wire.device)
     _write(out, wire, status)
     return out
