@@ -284,18 +284,23 @@ class PointToPoint(Transport):
     def start(self) -> None:
         shared = any(into is None and numel for _, _, numel, into in self._recvs)
         buffer = self._shared(self._end) if shared else None
-        raw = buffer.view(torch.uint8).numpy() if buffer is not None else None
+        if buffer is not None:
+            # Kept memory may hold an earlier call's status where this call
+            # expects one, and gloo takes a message shorter than posted
+            # without a word: a peer that sent too little must not leave an
+            # old status in sight. Statuses end a message; every one is
+            # cleared before any receive is posted (one in flight is written
+            # to at any time), and within its own message only.
+            raw = buffer.view(torch.uint8).numpy()
+            size = self._dtype.itemsize
+            for _, offset, numel, into in self._recvs:
+                if into is None and numel:
+                    start, end = offset * size, (offset + numel) * size
+                    raw[max(start, end - _header.STATUS_BYTES) : end] = 0
         for peer, offset, numel, into in self._recvs:
             if not numel:
                 self._recv_work.append(None)
                 continue
-            if into is None:
-                # Kept memory may hold an earlier call's status where this
-                # call expects one, and gloo takes a message shorter than
-                # posted without a word: a peer that sent too little must
-                # not leave an old status in sight. Statuses end a message.
-                end = (offset + numel) * self._dtype.itemsize
-                raw[max(0, end - _header.STATUS_BYTES * 2) : end] = 0  # type: ignore[index]
             target = into.view(-1) if into is not None else buffer[offset : offset + numel]  # type: ignore[index]
             self._recv_work.append(self.group.recv([target], peer, self.tag))
 
