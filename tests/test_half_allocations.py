@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from qcomm_builtin import _memory
 from torch.profiler import ProfilerActivity, profile
 
 import qcomm
+from qcomm.collectives import _buffers
 
 SPECS = ["fp16", "bf16"]
 LARGE = 1 << 22  # 16 MiB of float32: its wire and output are past the huge-page size
@@ -53,7 +53,7 @@ def test_large_wire_and_output_are_advised_for_huge_pages(
         advised.append((start, start + length))
         return 0
 
-    monkeypatch.setattr(_memory, "_madvise", lambda: record)
+    monkeypatch.setattr(_buffers, "_madvise", lambda: record)
     codec = qcomm.load_codec(spec)
     x = torch.randn(LARGE)
 

@@ -12,8 +12,8 @@ import numbers
 import torch
 
 from qcomm import CodecInfo, ElementwiseCodec
+from qcomm.collectives._buffers import empty
 from qcomm.types import dtype_bits
-from qcomm_builtin._memory import empty
 
 __all__ = ["BF16Codec", "FP16Codec"]
 

@@ -15,7 +15,7 @@ import numbers
 import torch
 
 from qcomm import BlockCodec, CodecInfo
-from qcomm_builtin._memory import empty as _empty
+from qcomm.collectives._buffers import empty as _empty
 from qcomm_builtin._native import kernel_input, kernels, lines_of
 
 __all__ = [
