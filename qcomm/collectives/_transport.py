@@ -130,6 +130,7 @@ class Transport:
         self._raw: Any = None  # the shared buffer's bytes, as numpy, once read
         self._joined: list[torch.Tensor] = []  # messages made here (wire and status)
         self._sends: list[tuple[int, torch.Tensor]] = []
+        self._forgotten: set[int] = set()  # peers out of the call (see forget)
         #: whether this rank's headers have gone out (then a failure is told
         #: in-band, with the data, not by :meth:`fail`)
         self.announced = False
@@ -219,6 +220,7 @@ class Transport:
 
     def forget(self, peer: int) -> None:
         """Stops waiting for what was sent to ``peer``, which takes no further part in the call."""
+        self._forgotten.add(peer)
 
     def expect_control(self, peer: int) -> Any:
         """Posts the receive of a header from ``peer`` (only where :attr:`checked`)."""
@@ -255,7 +257,6 @@ class PointToPoint(Transport):
         self._send_work: list[tuple[int, Any]] = []
         self._control_sent: list[torch.Tensor] = []
         self._control_recv: list[tuple[torch.Tensor, Any]] = []
-        self._forgotten: set[int] = set()
 
     def expect_control(self, peer: int) -> Any:
         blob = torch.empty(_header.SIZE, dtype=torch.uint8)
@@ -267,9 +268,6 @@ class PointToPoint(Transport):
     def send_control(self, peer: int, blob: torch.Tensor) -> None:
         self._control_sent.append(blob)  # kept alive until the send is done
         self._send_work.append((peer, self.group.send([blob], peer, self.tag + _TAGS)))
-
-    def forget(self, peer: int) -> None:
-        self._forgotten.add(peer)
 
     def control(self, handle: Any) -> torch.Tensor:
         if handle is None:  # fail(): nothing to wait for, the sends go on
@@ -339,27 +337,23 @@ class OneAllToAll(Transport):
     their own before the data.
     """
 
-    def send(self, peer: int, wire: torch.Tensor, status: bytes | None = None) -> None:
-        # Laid out (copied) once, in flush(): no joined copy first.
-        self._dtype = wire.dtype
-        self._pieces.append((peer, wire, status))
-
     def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
         super().__init__(group, rank, device)
         self._work: Any = None
         self._control_out: dict[int, torch.Tensor] = {}
         self._control_in: torch.Tensor | None = None
-        self._forgotten: set[int] = set()
         self._pieces: list[tuple[int, torch.Tensor, bytes | None]] = []
+
+    def send(self, peer: int, wire: torch.Tensor, status: bytes | None = None) -> None:
+        # Laid out (copied) once, in flush(): no joined copy first.
+        self._dtype = wire.dtype
+        self._pieces.append((peer, wire, status))
 
     def expect(
         self, peer: int, numel: int, dtype: torch.dtype, into: torch.Tensor | None = None
     ) -> int:
         # Every peer's data lands in the shared buffer, laid out by flush().
         return super().expect(peer, numel, dtype)
-
-    def forget(self, peer: int) -> None:
-        self._forgotten.add(peer)
 
     def expect_control(self, peer: int) -> Any:
         return peer
@@ -375,16 +369,16 @@ class OneAllToAll(Transport):
             send = torch.zeros(self.world * size, dtype=torch.uint8)
             for peer, blob in self._control_out.items():
                 send[peer * size : (peer + 1) * size] = blob
-            recv = torch.empty_like(send)
-            device = self.device if self.device.type != "meta" else torch.device("cpu")
-            out = recv.to(device)
-            dist.all_to_all_single(out, send.to(device), group=self.group)
+            out = torch.empty_like(send, device=self.device)
+            dist.all_to_all_single(out, send.to(self.device), group=self.group)
             self._control_in = out.cpu()
         if handle is None:
             return self._control_in
         return self._control_in[handle * _header.SIZE : (handle + 1) * _header.SIZE]
 
     def flush(self) -> None:
+        if self.world == 1:
+            return  # no peers: no communication at all
         send_sizes, recv_sizes = [0] * self.world, [0] * self.world
         for peer, wire, status in self._pieces:
             if send_sizes[peer]:
@@ -396,8 +390,6 @@ class OneAllToAll(Transport):
         for peer, _, numel, _ in self._recvs:
             if peer not in self._forgotten:
                 recv_sizes[peer] = _aligned(numel, self._dtype)
-        if self.world == 1:
-            return  # no peers: no communication at all
         send = _buffers.take(sum(send_sizes), self._dtype, self.device)
         self._joined.append(send)  # given back once the all-to-all is done
         starts = [sum(send_sizes[:p]) for p in range(self.world)]
@@ -423,7 +415,7 @@ class OneAllToAll(Transport):
 
 
 def _status_elements(status: bytes | None, dtype: torch.dtype) -> int:
-    return 0 if status is None else -(-len(status) // dtype.itemsize)
+    return 0 if status is None else _header.status_elements(dtype)
 
 
 def _write(out: torch.Tensor, wire: torch.Tensor, status: bytes | None) -> None:
