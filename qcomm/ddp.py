@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from qcomm._ddp_worker import worker_for
 from qcomm.collectives._args import check_chunk_bytes
 from qcomm.collectives.all_reduce import Residuals, all_reduce, granule, layout
 from qcomm.discovery import load_codec
@@ -477,20 +478,23 @@ def all_reduce_hook(
     r"""
     all_reduce_hook(state: DDPCommHookState, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]
 
-    The DDP communication hook: averages the bucket over the ranks with
-    :func:`~qcomm.collectives.all_reduce.all_reduce` and returns once it is
-    reduced (see :doc:`ddp`).
+    The DDP communication hook: hands the bucket to its process group's
+    background worker, which averages it over the ranks with
+    :func:`~qcomm.collectives.all_reduce.all_reduce`, and returns at once, so
+    that the backward pass overlaps the communication (see :doc:`ddp`).
 
     Args:
         state (DDPCommHookState): the codecs and residuals.
         bucket (torch.distributed.GradBucket): DDP's bucket.
 
     Returns:
-        torch.futures.Future[torch.Tensor]: done, holding the averaged bucket.
+        torch.futures.Future[torch.Tensor]: completes with the averaged bucket,
+        or with the error of its all-reduce (on every rank).
 
     Raises:
-        TypeError: if ``state`` is not a :class:`DDPCommHookState`.
-        CodecError: if a codec fails or the ranks disagree.
+        TypeError: if ``state`` is not a :class:`DDPCommHookState`. A codec
+            that fails or ranks that disagree fail the future instead, with a
+            :class:`~qcomm.CodecError`, which DDP raises from the backward pass.
     """
     if not isinstance(state, DDPCommHookState):
         raise TypeError(
@@ -498,22 +502,31 @@ def all_reduce_hook(
             f"got {type(state).__name__}"
         )
     buffer = bucket.buffer()
-    all_reduce(
-        buffer,
-        group=state.process_group,
-        reduce_codec=state.reduce_codec,
-        gather_codec=state.gather_codec,
-        average=True,
-        residuals=state.residuals(bucket) if state.error_feedback else None,
-        chunk_bytes=state.chunk_bytes,
-    )
-    future: torch.futures.Future[torch.Tensor] = (
-        torch.futures.Future(devices=[buffer.device])
-        if buffer.device.type == "cuda"
-        else torch.futures.Future()
-    )
-    future.set_result(buffer)
-    return future
+    residuals = state.residuals(bucket) if state.error_feedback else None
+
+    def reduce(group: dist.ProcessGroup) -> torch.Tensor:
+        all_reduce(
+            buffer,
+            group=group,
+            reduce_codec=state.reduce_codec,
+            gather_codec=state.gather_codec,
+            average=True,
+            residuals=residuals,
+            chunk_bytes=state.chunk_bytes,
+        )
+        return buffer
+
+    group = state.process_group or dist.distributed_c10d._get_default_group()
+    if dist.get_world_size(group) == 1:
+        # Nothing to wait for: no thread, no group of its own.
+        future: torch.futures.Future[torch.Tensor] = (
+            torch.futures.Future(devices=[buffer.device])
+            if buffer.device.type == "cuda"
+            else torch.futures.Future()
+        )
+        future.set_result(reduce(group))
+        return future
+    return worker_for(group).submit(reduce, buffer.device)
 
 
 def ddp_comm_hook(

@@ -29,6 +29,8 @@ import json
 import math
 import os
 import pickle
+import threading
+import time
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -302,6 +304,115 @@ def case_state(rank: int, world: int) -> None:
             assert torch.equal(got, expected), f"layout {shapes}: residuals were not reset"
 
 
+class GatedFP16:
+    """fp16 whose encode waits for ``gate`` (and fails where ``fail`` is set),
+    noting the threads it ran on."""
+
+    def __init__(self, gate: threading.Event, fail: bool = False) -> None:
+        self.inner = qcomm.load_codec("fp16")
+        self.gate = gate
+        self.fail = fail
+        self.threads: set[str] = set()
+
+    def encode(self, input_tensor: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        self.threads.add(threading.current_thread().name)
+        assert self.gate.wait(60), "the gate never opened"
+        if self.fail:
+            raise RuntimeError("GatedFP16 fails on purpose")
+        return self.inner.encode(input_tensor, ctx)
+
+    def decode(self, input_grad: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        return self.inner.decode(input_grad, ctx)
+
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        return self.inner.quantized_dtype
+
+    def calc_quantized_size(self, input_len: int, ctx: Any = None) -> int:
+        return self.inner.calc_quantized_size(input_len, ctx)
+
+    def create_context(self) -> Any:
+        return self.inner.create_context()
+
+    def padded_size(self, *args: Any) -> Any:
+        return self.inner.padded_size(*args)
+
+
+SHAPES = (5000, 7000, 300_000)
+
+
+def _gated_ddp(
+    gate: threading.Event, fail: bool
+) -> tuple[torch.nn.Module, GatedFP16, list[torch.futures.Future[torch.Tensor]], list[bool]]:
+    # Small buckets, so that one backward pass hands over several (DDP's
+    # first bucket takes up to 1 MB, the others up to the cap).
+    shapes: list[tuple[int, ...]] = [(n,) for n in SHAPES]
+    model = torch.nn.parallel.DistributedDataParallel(Params(shapes), bucket_cap_mb=0.01)
+    codec = GatedFP16(gate)
+    state, hook = qcomm.ddp_comm_hook(codec)
+    futures: list[torch.futures.Future[torch.Tensor]] = []
+    first_pending: list[bool] = []
+
+    def gated(state, bucket):  # type: ignore[no-untyped-def]
+        futures.append(hook(state, bucket))
+        if len(futures) == 2:
+            # The second bucket's gradients are computed and handed over
+            # while the first bucket cannot have been reduced (its encode
+            # waits for the gate): the backward pass overlapped it.
+            first_pending.append(not futures[0].done())
+            gate.set()
+        return futures[-1]
+
+    model.register_comm_hook(state, gated)
+    # DDP's first backward pass hands over one bucket; it makes several
+    # from the second on. A first pass with the gate open, then it closes.
+    gate.set()
+    model([torch.zeros(n) for n in SHAPES]).backward()
+    gate.clear()
+    futures.clear()
+    first_pending.clear()
+    model.zero_grad()
+    codec.fail = fail
+    return model, codec, futures, first_pending
+
+
+def case_overlap(rank: int, world: int) -> None:
+    # The hook returns before its bucket is reduced, the backward pass goes
+    # on meanwhile, the worker thread does the encoding, and the result is
+    # what the synchronous all-reduce gives.
+    gate = threading.Event()
+    model, codec, futures, first_pending = _gated_ddp(gate, fail=False)
+    coefs = [gradients(f"overlap:{n}", n, world) for n in SHAPES]
+    model([c[rank] for c in coefs]).backward()
+    assert first_pending == [True], (
+        f"first bucket done before the second was handed: {first_pending}"
+    )
+    assert len(futures) >= 2 and all(f.done() for f in futures)
+    assert codec.threads and threading.current_thread().name not in codec.threads, codec.threads
+    grad = torch.cat([p.grad.view(-1) for p in model.module.ps])  # type: ignore[union-attr]
+    whole = [torch.cat([c[r] for c in coefs]) for r in range(world)]
+    info = dataclasses.replace(info_of("fp16"), error_block=0)
+    assert_within(
+        "overlapped DDP", grad, exact_mean(whole[rank]), step_bound(whole, info, info, False)
+    )
+    assert_same_on_all_ranks("overlapped DDP", grad)
+
+
+def case_overlap_failure(rank: int, world: int) -> None:
+    # A codec that fails on the last rank, in the worker: every rank's
+    # backward pass raises, naming the rank, and none waits for the timeout.
+    gate = threading.Event()
+    model, _, futures, _ = _gated_ddp(gate, fail=rank == world - 1)
+    coefs = [gradients(f"failure:{n}", n, world) for n in SHAPES]
+    start = time.monotonic()
+    with pytest.raises(Exception) as raised:
+        model([c[rank] for c in coefs]).backward()
+    assert time.monotonic() - start < 20, "the failure took as long as a timeout"
+    message = str(raised.value)
+    assert "GatedFP16 fails on purpose" in message or f"rank {world - 1}" in message, message
+    assert futures, "the hook never ran"
+
+
 def case_disagreement(rank: int, world: int) -> None:
     # One rank with another codec, every call checked (QCOMM_VERIFY=1):
     # every rank raises, none waits.
@@ -309,8 +420,9 @@ def case_disagreement(rank: int, world: int) -> None:
     state, hook = qcomm.ddp_comm_hook(spec)
     os.environ["QCOMM_VERIFY"] = "1"
     try:
+        future = hook(state, Bucket(torch.ones(100)))
         with pytest.raises(CodecError):
-            hook(state, Bucket(torch.ones(100)))
+            future.wait()
     finally:
         del os.environ["QCOMM_VERIFY"]
     # The group stays usable.
@@ -356,6 +468,8 @@ CASES: dict[str, Callable[[int, int], None]] = {
     "disagreement": case_disagreement,
     "all_reduce_sum": case_all_reduce_sum,
     "narrow_buffers": case_narrow_buffers,
+    "overlap": case_overlap,
+    "overlap_failure": case_overlap_failure,
 }
 CODEC_CASES: dict[str, Callable[[int, int, str], None]] = {"hook": case_hook}
 CASE_IDS = [
