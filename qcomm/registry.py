@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from qcomm import torchrec_exchange
 from qcomm.discovery import load_codec
 from qcomm.specs import parse_registry_string
 from qcomm.types import (
@@ -160,9 +161,19 @@ def _keyword_codec(value: Any, name: str) -> Any:
 def _checked(
     registry: dict[str, QuantizedCommCodecs], allow_unsummable_reduce_scatter: bool
 ) -> dict[str, QuantizedCommCodecs]:
+    _check_reduce_scatter(registry, allow_unsummable_reduce_scatter)
+    # A registry goes to TorchRec's sharders: their collectives with these
+    # codecs run on qcomm's exchange (qcomm.torchrec_exchange).
+    torchrec_exchange.enable()
+    return registry
+
+
+def _check_reduce_scatter(
+    registry: dict[str, QuantizedCommCodecs], allow_unsummable_reduce_scatter: bool
+) -> None:
     pair = registry.get(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name)
     if pair is None or allow_unsummable_reduce_scatter:
-        return registry
+        return
     info = codec_info(pair.forward)
     if not info.summable:
         raise CodecError(
@@ -188,4 +199,3 @@ def _checked(
             f"pass allow_unsummable_reduce_scatter=True if the registry only feeds "
             f"qcomm.reduce_scatter_pooled"
         )
-    return registry

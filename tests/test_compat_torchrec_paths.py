@@ -18,12 +18,19 @@ reduce-scatter takes only what ``build_registry`` accepts for it.
 
 Each case's outcome is predicted from the codecs' blocks and the shares, and
 every result that comes back is held to the codecs' declared error bound.
+
+Every case runs on both doors: qcomm's exchange, which TorchRec's modules
+take for a qcomm registry by default (each call counted there), where every
+case works, since qcomm cuts its messages between rows; and TorchRec's own
+transport (``QCOMM_TORCHREC_COLLECTIVES=torchrec``), where the refusals above
+hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,11 +40,13 @@ from dist_utils import run_ranks
 from torchrec_utils import builtin_codecs
 
 import qcomm
-from qcomm import CodecInfo, CommOp
+from qcomm import CodecInfo, CommOp, torchrec_exchange
 
 pytest.importorskip("torchrec")
 
 WORLD = 2
+# qcomm's exchange (the default) and TorchRec's own transport.
+DOORS = ("qcomm", "torchrec")
 DIMS = [16, 48, 3, 129, 64]
 # A value range every built-in codec takes without saturating (the unscaled
 # FP8 cast stops at 0.9375).
@@ -119,8 +128,10 @@ def _fails(codec: str, cuts: list[int], whole: int) -> bool:
     return any(n % b and n != whole for n in cuts)
 
 
-def expected(case: Case, rank: int) -> str:
+def expected(case: Case, rank: int, door: str = "torchrec") -> str:
     """``"ok"``, or the direction where the rank gets a ``CodecError``."""
+    if door == "qcomm":
+        return "ok"
     fwd_cuts, bwd_cuts, fwd_whole, bwd_whole = _cuts(case, rank)
     if _fails(case.fwd, fwd_cuts, fwd_whole):
         return "fwd"
@@ -300,11 +311,13 @@ def _case(case: Case, rank: int) -> dict[str, Any]:
     run = RUNNERS[case.path](case, rank, codecs, gen, fwd, bwd)
     x = run.x.clone().requires_grad_(True)
     out: dict[str, Any] = {"fwd_error": None, "bwd_error": None}
+    before = sum(torchrec_exchange.calls.values())
     try:
         y = run.call(x)
     except Exception as err:
         out["fwd_error"] = _error(err)
         return out
+    out["exchange_calls"] = sum(torchrec_exchange.calls.values()) - before
     out["fwd_ratio"] = _ratio((y.detach() - run.y_ref).abs(), run.y_bound)
     try:
         (y * run.grad).sum().backward()
@@ -322,24 +335,44 @@ def _worker(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict[str
     return {str(case): _case(case, rank) for case in cases}
 
 
+Results = Callable[[str], dict[str, list[dict[str, Any]]]]
+
+
 @pytest.fixture(scope="module")
-def results(request: pytest.FixtureRequest) -> dict[str, list[dict[str, Any]]]:
-    # One spawn runs the cases of every selected test (all, or those -k picks).
+def results(request: pytest.FixtureRequest) -> Results:
+    # One spawn per door runs the cases of every selected test (all, or those
+    # -k picks), on first use.
     params = [
         getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items
     ]
-    cases = [p["case"] for p in params if isinstance(p.get("case"), Case)]
-    per_rank = run_ranks(_worker, WORLD, cases, timeout=900.0)
-    return {key: [r[key] for r in per_rank] for key in per_rank[0]}
+    selected = {
+        door: [p["case"] for p in params if isinstance(p.get("case"), Case) and p["door"] == door]
+        for door in DOORS
+    }
+    done: dict[str, dict[str, list[dict[str, Any]]]] = {}
+
+    def on(door: str) -> dict[str, list[dict[str, Any]]]:
+        if door not in done:
+            env = {torchrec_exchange.ENV: door}
+            per_rank = run_ranks(_worker, WORLD, selected[door], timeout=900.0, env=env)
+            done[door] = {key: [r[key] for r in per_rank] for key in per_rank[0]}
+        return done[door]
+
+    return on
 
 
 # -- the checks -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_torchrec_path(results: dict[str, list[dict[str, Any]]], case: Case) -> None:
-    for rank, r in enumerate(results[str(case)]):
-        want = expected(case, rank)
+@pytest.mark.parametrize("door", DOORS)
+def test_torchrec_path(results: Results, door: str, case: Case) -> None:
+    for rank, r in enumerate(results(door)[str(case)]):
+        want = expected(case, rank, door)
+        if r["fwd_error"] is None:
+            # The forward call went through the door it names.
+            want_calls = 1 if door == "qcomm" else 0
+            assert r["exchange_calls"] == want_calls, f"rank {rank}, door {door}: {r}"
         if want == "ok":
             assert r["fwd_error"] is None and r["bwd_error"] is None, f"rank {rank}: {r}"
             assert r["fwd_ratio"] <= 1.0, f"rank {rank}, forward beyond the bound: {r}"

@@ -32,6 +32,12 @@ bounded here by the tensor's largest):
 Float32 arithmetic (summation order, the update) adds a slack of ``64 eps32``
 times the magnitude ``M |w|`` of what is summed; the first test checks the
 unquantized sharded run against the unsharded reference within that slack.
+
+Everything runs twice: on qcomm's exchange, which TorchRec's modules take for
+a qcomm registry by default (every case counts its calls there), and on
+TorchRec's own transport (``QCOMM_TORCHREC_COLLECTIVES=torchrec``, no call
+reaches qcomm's exchange). They differ where TorchRec's transport cannot carry
+a codec: an unsummable codec on the reduce-scatter is right on qcomm's.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from torchrec_utils import (
 )
 
 import qcomm
-from qcomm import CodecInfo, CommOp, QuantizedCommCodecs
+from qcomm import CodecInfo, CommOp, QuantizedCommCodecs, torchrec_exchange
 
 WORLD = 2
 B_LOCAL = 16
@@ -84,6 +90,8 @@ POOLED_TABLES = [("t0", 16, 60, "f0"), ("t1", 40, 50, "f1")]
 # row width is a multiple of the block codecs' 32.
 SEQUENCE_TABLES = [("s0", 32, 60, "g0"), ("s1", 32, 50, "g1")]
 
+# qcomm's exchange (the default) and TorchRec's own transport.
+DOORS = ("qcomm", "torchrec")
 SHARDINGS = ["ebc-table_wise", "ebc-column_wise", "ebc-row_wise", "ec-table_wise", "ec-row_wise"]
 ROW_WISE_EBC = "ebc-row_wise"
 
@@ -324,6 +332,7 @@ def _case(
     pair = registry[setup.op.name]
     fwd, bwd = CountingCodec(pair.forward), CountingCodec(pair.backward)
     registry[setup.op.name] = QuantizedCommCodecs(forward=fwd, backward=bwd)
+    before = sum(torchrec_exchange.calls.values())
     y, y_step = _run_sharded(setup, rank, registry)
     fwd_bound, step_bound = _bounds(setup, ref, fwd.info, bwd.info)
     fwd_err = (y - base[0]).abs()
@@ -334,6 +343,7 @@ def _case(
         "fwd_encodes": fwd.encodes,
         "bwd_encodes": bwd.encodes,
         "padding": fwd.max_padding,
+        "exchange_calls": sum(torchrec_exchange.calls.values()) - before,
         "in_range": float(max(ref.y.abs().max(), ref.y_step.abs().max(), setup.grad.abs().max()))
         <= min(fwd.info.max_abs_input, bwd.info.max_abs_input),
     }
@@ -348,6 +358,7 @@ def _misuse(
         {setup.op.value: (fwd, bwd)}, allow_unsummable_reduce_scatter=True
     )
     info = qcomm.codec_info(registry[setup.op.name].forward)
+    before = sum(torchrec_exchange.calls.values())
     try:
         y, _ = _run_sharded(setup, rank, registry)
     except Exception as err:  # loud, at least: both ranks raise at the same call
@@ -355,7 +366,11 @@ def _misuse(
         return {"raised": f"{type(err).__name__}: {err}"[:300], "ratio": math.inf}
     # What the codec promises for each rank's message, summed over the ranks.
     bound = WORLD * _codec_error(info, ref.abs_y) + SLACK * ref.abs_y
-    return {"raised": None, "ratio": _ratio((y - base).abs(), bound[setup.local])}
+    return {
+        "raised": None,
+        "ratio": _ratio((y - base).abs(), bound[setup.local]),
+        "exchange_calls": sum(torchrec_exchange.calls.values()) - before,
+    }
 
 
 def _guarded(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
@@ -397,10 +412,13 @@ def _worker(rank: int, world_size: int) -> dict[Any, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[Any, list[dict[str, Any]]]:
-    per_rank = run_ranks(_worker, WORLD, timeout=600.0)
-    return {key: [r[key] for r in per_rank] for key in per_rank[0]}
+@pytest.fixture(scope="module", params=DOORS)
+def results(request: pytest.FixtureRequest) -> dict[Any, Any]:
+    door = request.param
+    per_rank = run_ranks(_worker, WORLD, timeout=600.0, env={torchrec_exchange.ENV: door})
+    out: dict[Any, Any] = {key: [r[key] for r in per_rank] for key in per_rank[0]}
+    out["door"] = door
+    return out
 
 
 def test_every_builtin_codec_is_covered():
@@ -425,6 +443,10 @@ def test_codec_within_declared_bound(results, sharding, codec):
         assert r["in_range"], f"rank {rank}: values beyond the codec's max_abs_input: {r}"
         assert r["fwd_ratio"] <= 1.0, f"rank {rank}, forward beyond the bound: {r}"
         assert r["step_ratio"] <= 1.0, f"rank {rank}, after one step beyond the bound: {r}"
+        on_qcomm = results["door"] == "qcomm"
+        assert (r["exchange_calls"] > 0) == on_qcomm, (
+            f"rank {rank}: not on the {results['door']} door: {r}"
+        )
         assert r["fwd_encodes"] > 0, f"rank {rank}: forward codec never encoded: {r}"
         assert r["bwd_encodes"] > 0, f"rank {rank}: backward codec never encoded: {r}"
         # The codec really sat on the wire: its rounding shows.
@@ -454,21 +476,30 @@ def test_registry_refuses_unsummable_reduce_scatter_codec(codec):
 
 
 @pytest.mark.parametrize(("fwd", "bwd"), MISUSES)
-def test_reduce_scatter_misuse_fails_loudly(results, fwd, bwd):
+def test_reduce_scatter_misuse(results, fwd, bwd):
     # Forced through, the built-in block codecs break TorchRec's reduce-scatter
     # (their wire neither keeps the tensor's shape nor its size), and the
     # shape-keeping fp8_e4m3_tensor corrupts the sum far beyond its own bound
-    # (summed bytes may even be a NaN code: a NaN ratio counts).
+    # (summed bytes may even be a NaN code: a NaN ratio counts). qcomm's
+    # reduce-scatter decodes every rank's part and sums in float32: right.
     for rank, r in enumerate(results[("misuse", fwd, bwd)]):
-        assert r["raised"] is not None or not r["ratio"] <= 10.0, f"rank {rank}: {r}"
+        if results["door"] == "qcomm":
+            assert r["raised"] is None and r["ratio"] <= 1.0, f"rank {rank}: {r}"
+            assert r["exchange_calls"] > 0, f"rank {rank}: {r}"
+        else:
+            assert r["raised"] is not None or not r["ratio"] <= 10.0, f"rank {rank}: {r}"
 
 
-def test_unsummable_reduce_scatter_corrupts_silently(results):
-    # Why the registry refuses: a shape-keeping unsummable codec (TorchRec's
-    # own tensor-wise FP8 comm is one) runs without a word and sums bytes.
+def test_unsummable_reduce_scatter(results):
+    # Why the registry refuses: on TorchRec's transport a shape-keeping
+    # unsummable codec (TorchRec's own tensor-wise FP8 comm is one) runs
+    # without a word and sums bytes. On qcomm's exchange it is right.
     for rank, r in enumerate(results[("misuse", "fp8_bitcast")]):
         assert r["raised"] is None, f"rank {rank}: {r}"
-        assert r["ratio"] > 10.0, f"rank {rank}: {r}"
+        if results["door"] == "qcomm":
+            assert r["ratio"] <= 1.0 and r["exchange_calls"] > 0, f"rank {rank}: {r}"
+        else:
+            assert r["ratio"] > 10.0 and r["exchange_calls"] == 0, f"rank {rank}: {r}"
 
 
 def test_dlrm_example_runs(tmp_path):

@@ -92,6 +92,16 @@ def load_global_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> N
                 value.copy_(full)
 
 
+class Counts:
+    """A codec's counters, out of its plain attributes: qcomm's statuses
+    describe a codec by those, and counters that differ between ranks (the
+    paddings do) would read as codecs that differ."""
+
+    def __init__(self) -> None:
+        self.encodes = 0
+        self.max_padding = 0
+
+
 class CountingCodec:
     """Wraps a codec, counts ``encode`` calls, remembers the largest column
     padding it asked for, and passes everything through."""
@@ -99,11 +109,18 @@ class CountingCodec:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.info = qcomm.codec_info(inner)
-        self.encodes = 0
-        self.max_padding = 0
+        self.counts = Counts()
+
+    @property
+    def encodes(self) -> int:
+        return self.counts.encodes
+
+    @property
+    def max_padding(self) -> int:
+        return self.counts.max_padding
 
     def encode(self, input_tensor: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
-        self.encodes += 1
+        self.counts.encodes += 1
         return self.inner.encode(input_tensor, ctx)
 
     def decode(self, input_grad: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
@@ -123,7 +140,7 @@ class CountingCodec:
         self, input_tensor: torch.Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: Any
     ) -> tuple[int, int]:
         padded, padding = self.inner.padded_size(input_tensor, dim_per_rank, my_rank, qcomm_ctx)
-        self.max_padding = max(self.max_padding, padding)
+        self.counts.max_padding = max(self.counts.max_padding, padding)
         return padded, padding
 
 

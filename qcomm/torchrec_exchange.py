@@ -1,0 +1,490 @@
+r"""
+TorchRec's embedding collectives on qcomm's exchange (see :doc:`torchrec`).
+
+TorchRec's sharded modules move their embeddings with the functions of
+``torchrec.distributed.comm_ops``, which ``torchrec.distributed.dist_data``
+imports by name. :func:`install` puts qcomm's collectives in their place for
+every call whose codecs come from a qcomm registry (a
+:class:`~qcomm.QuantizedCommCodecs`, as :func:`~qcomm.build_registry`
+makes): the bytes then travel on qcomm's pipelined, full-duplex exchange,
+with its agreement checks and statuses, instead of TorchRec's
+``all_to_all_single``. Every other call (no codecs, TorchRec's own codecs,
+world size 1, TorchRec's synchronous or compiled mode) goes to TorchRec's
+function unchanged.
+
+:func:`~qcomm.build_registry` installs it, at once where TorchRec is already
+imported and otherwise as soon as it is. ``QCOMM_TORCHREC_COLLECTIVES=torchrec``
+keeps TorchRec's transport for qcomm codecs (only the codecs change);
+``qcomm``, the default, takes qcomm's.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import importlib.abc
+import importlib.machinery
+import inspect
+import math
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ENV", "calls", "enable", "enabled", "install", "installed", "uninstall"]
+
+#: the environment variable that chooses the transport of qcomm codecs in TorchRec
+ENV = "QCOMM_TORCHREC_COLLECTIVES"
+#: calls that ran on qcomm's exchange, by the name of TorchRec's function
+calls: collections.Counter[str] = collections.Counter()
+
+_DIST_DATA = "torchrec.distributed.dist_data"
+_COMM_OPS = "torchrec.distributed.comm_ops"
+# TorchRec's functions and the parameters each replacement reads, by name: an
+# upgrade that renames or drops one is refused loudly (see install()).
+_EXPECTED = {
+    "alltoall_pooled": ("a2a_pooled_embs_tensor", "batch_size_per_rank", "dim_sum_per_rank"),
+    "variable_batch_alltoall_pooled": (
+        "a2a_pooled_embs_tensor",
+        "batch_size_per_rank_per_feature",
+        "batch_size_per_feature_pre_a2a",
+        "emb_dim_per_rank_per_feature",
+    ),
+    "reduce_scatter_base_pooled": ("input",),
+    "reduce_scatter_v_pooled": ("input", "input_splits"),
+    "reduce_scatter_v_per_feature_pooled": (
+        "input",
+        "batch_size_per_rank_per_feature",
+        "embedding_dims",
+    ),
+    "alltoall_sequence": (
+        "a2a_sequence_embs_tensor",
+        "forward_recat_tensor",
+        "backward_recat_tensor",
+        "lengths_after_sparse_data_all2all",
+        "input_splits",
+        "output_splits",
+        "variable_batch_size",
+    ),
+}
+# Every replacement also reads these.
+_COMMON = ("group", "codecs")
+
+_lock = threading.Lock()
+_originals: dict[str, Callable[..., Any]] = {}
+_awaitable_class: type | None = None
+
+
+def enabled() -> bool:
+    r"""
+    enabled() -> bool
+
+    Whether qcomm codecs take qcomm's transport in TorchRec:
+    ``QCOMM_TORCHREC_COLLECTIVES`` unset, empty or ``qcomm``.
+
+    Raises:
+        ValueError: if the variable holds anything else.
+    """
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw in ("", "qcomm"):
+        return True
+    if raw == "torchrec":
+        return False
+    raise ValueError(f"{ENV}: expected 'qcomm' or 'torchrec', got {raw!r}")
+
+
+def installed() -> bool:
+    r"""
+    installed() -> bool
+
+    Whether TorchRec's collectives are replaced now.
+    """
+    return bool(_originals)
+
+
+def install() -> None:
+    r"""
+    install() -> None
+
+    Replaces TorchRec's embedding collectives in ``comm_ops`` and
+    ``dist_data`` (imported here) with qcomm's for calls with qcomm codecs;
+    again is a no-op.
+
+    Raises:
+        ImportError: if TorchRec is not installed.
+        RuntimeError: if TorchRec's functions are not the ones this version of
+            qcomm knows (a TorchRec upgrade moved them); nothing is replaced.
+    """
+    global _awaitable_class
+    comm_ops = importlib.import_module(_COMM_OPS)
+    dist_data = importlib.import_module(_DIST_DATA)
+    with _lock:
+        if _originals:
+            return
+        problems = [p for name in _EXPECTED if (p := _mismatch(comm_ops, dist_data, name))]
+        if problems:
+            raise RuntimeError(
+                "qcomm cannot run TorchRec's collectives on its exchange: "
+                + "; ".join(problems)
+                + f". Set {ENV}=torchrec to keep TorchRec's transport (qcomm's codecs still run)"
+            )
+        _awaitable_class = _make_awaitable_class()
+        for name in _EXPECTED:
+            original = getattr(comm_ops, name)
+            _originals[name] = original
+            replacement = _replacement(name, original)
+            for module in (comm_ops, dist_data):
+                if getattr(module, name, None) is original:
+                    setattr(module, name, replacement)
+
+
+def uninstall() -> None:
+    r"""
+    uninstall() -> None
+
+    Puts TorchRec's own functions back.
+    """
+    with _lock:
+        for name, original in _originals.items():
+            for module_name in (_COMM_OPS, _DIST_DATA):
+                module = sys.modules.get(module_name)
+                current = getattr(module, name, None)
+                if getattr(current, "__wrapped__", None) is original:
+                    setattr(module, name, original)
+        _originals.clear()
+
+
+def _mismatch(comm_ops: ModuleType, dist_data: ModuleType, name: str) -> str | None:
+    function: Any = getattr(comm_ops, name, None)
+    if not callable(function):
+        return f"torchrec.distributed.comm_ops has no {name}"
+    if getattr(dist_data, name, None) is not function:
+        return f"torchrec.distributed.dist_data no longer calls comm_ops.{name}"
+    parameters = inspect.signature(cast(Callable[..., Any], function)).parameters
+    missing = [p for p in (*_EXPECTED[name], *_COMMON) if p not in parameters]
+    if missing:
+        return f"comm_ops.{name} has no parameter {', '.join(missing)}"
+    return None
+
+
+def _make_awaitable_class() -> type:
+    from torchrec.distributed.types import Awaitable as TorchRecAwaitable
+
+    class OnQcomm(TorchRecAwaitable[torch.Tensor]):  # type: ignore[misc]
+        """TorchRec's awaitable of a qcomm collective, shaped by ``finish``."""
+
+        def __init__(self, inner: Any, finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
+            super().__init__()
+            self._inner = inner
+            self._finish = finish
+
+        def _wait_impl(self) -> torch.Tensor:
+            return self._finish(self._inner.wait())
+
+    return OnQcomm
+
+
+def _ours(codecs: Any, group: Any) -> bool:
+    """Whether this call goes to qcomm's exchange."""
+    from qcomm.types import QuantizedCommCodecs
+
+    if not isinstance(codecs, QuantizedCommCodecs) or not enabled():
+        return False
+    comm_ops = sys.modules[_COMM_OPS]
+    if comm_ops.get_use_sync_collectives() or torch.compiler.is_compiling():
+        return False
+    return dist.get_world_size(group) > 1
+
+
+def _replacement(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+    run = _RUNS[name]
+
+    @functools.wraps(original)
+    def replacement(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        group = given["group"]
+        if group is None:
+            group = dist.distributed_c10d._get_default_group()
+        # A custom all_to_all_single_comm is TorchRec's way to swap its
+        # transport: whoever passes one wants theirs.
+        if given.get("all_to_all_single_comm") is not None or not _ours(given["codecs"], group):
+            return original(*args, **kwargs)
+        calls[name] += 1
+        assert _awaitable_class is not None
+        return _awaitable_class(*run(given, group))
+
+    return replacement
+
+
+def _divide() -> bool:
+    return bool(sys.modules[_COMM_OPS].get_gradient_division())
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _pooled(given: dict[str, Any], group: Any) -> tuple[Any, Callable[..., Any]]:
+    from qcomm.collectives import all_to_all_pooled
+
+    inner = all_to_all_pooled(
+        given["a2a_pooled_embs_tensor"],
+        list(given["batch_size_per_rank"]),
+        list(given["dim_sum_per_rank"]),
+        group=group,
+        codecs=given["codecs"],
+        gradient_division=_divide(),
+    )
+    return inner, _same
+
+
+def _rows_of(dims: list[int]) -> int:
+    # The widest rows that every embedding of the flat tensor is made of:
+    # block codecs see whole rows, the exchange cuts only between them.
+    return functools.reduce(math.gcd, [d for d in dims if d > 0], 0) or 1
+
+
+def _flat_all_to_all(
+    flat: torch.Tensor,
+    sends: list[int],
+    receives: list[int],
+    width: int,
+    given: dict[str, Any],
+    group: Any,
+) -> tuple[Any, Callable[..., Any]]:
+    from qcomm.collectives import all_to_all_sequence
+
+    rows = _DivideGradient.apply(  # type: ignore[no-untyped-call]
+        flat.reshape(-1), dist.get_world_size(group) if _divide() else 1
+    )
+    inner = all_to_all_sequence(
+        rows.view(-1, width),
+        input_splits=[s // width for s in sends],
+        output_splits=[r // width for r in receives],
+        group=group,
+        codecs=given["codecs"],
+    )
+    return inner, lambda out: out.reshape(-1)
+
+
+def _variable_batch(given: dict[str, Any], group: Any) -> tuple[Any, Callable[..., Any]]:
+    # The same splits as TorchRec's: what this rank sends to rank i is the
+    # features of i's batches at this rank's dims, what it receives from i
+    # its own batches at i's dims.
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    batches = given["batch_size_per_rank_per_feature"]
+    pre = given["batch_size_per_feature_pre_a2a"]
+    dims = given["emb_dim_per_rank_per_feature"]
+    sends = [0] * world
+    if batches:
+        sends = [sum(b * d for b, d in zip(batches[i], dims[rank])) for i in range(world)]
+    receives, at = [], 0
+    for i in range(world):
+        receives.append(sum(pre[at + k] * d for k, d in enumerate(dims[i])))
+        at += len(dims[i])
+    width = _rows_of([d for per_rank in dims for d in per_rank])
+    return _flat_all_to_all(given["a2a_pooled_embs_tensor"], sends, receives, width, given, group)
+
+
+def _reduce_scatter(
+    given: dict[str, Any], group: Any, splits: list[int] | None
+) -> tuple[Any, Callable[..., Any]]:
+    from qcomm.collectives import reduce_scatter_pooled
+
+    inner = reduce_scatter_pooled(
+        given["input"],
+        input_splits=splits,
+        group=group,
+        codecs=given["codecs"],
+        gradient_division=_divide(),
+    )
+    return inner, _same
+
+
+def _reduce_scatter_per_feature(
+    given: dict[str, Any], group: Any
+) -> tuple[Any, Callable[..., Any]]:
+    from qcomm.collectives import reduce_scatter_pooled
+
+    world = dist.get_world_size(group)
+    batches, dims = given["batch_size_per_rank_per_feature"], given["embedding_dims"]
+    splits = [0] * world
+    if batches:
+        splits = [sum(b * d for b, d in zip(batches[r], dims)) for r in range(world)]
+    width = _rows_of(list(dims))
+    inner = reduce_scatter_pooled(
+        given["input"].reshape(-1, width),
+        input_splits=[s // width for s in splits],
+        group=group,
+        codecs=given["codecs"],
+        gradient_division=_divide(),
+    )
+    return inner, lambda out: out.reshape(-1)
+
+
+def _sequence(given: dict[str, Any], group: Any) -> tuple[Any, Callable[..., Any]]:
+    from qcomm.collectives import all_to_all_sequence
+
+    embeddings = given["a2a_sequence_embs_tensor"]
+    dim = embeddings.shape[1]
+    world = dist.get_world_size(group)
+    rows = _Recat.apply(  # type: ignore[no-untyped-call]
+        embeddings,
+        given["forward_recat_tensor"],
+        given["backward_recat_tensor"],
+        given["lengths_after_sparse_data_all2all"],
+        bool(given["variable_batch_size"]),
+        world,
+        world if _divide() else 1,
+    )
+    # TorchRec names the splits after the ids' all-to-all, whose inverse
+    # this is: its output splits are what this rank sends.
+    inner = all_to_all_sequence(
+        rows.view(-1, dim),
+        input_splits=list(given["output_splits"]),
+        output_splits=list(given["input_splits"]),
+        group=group,
+        codecs=given["codecs"],
+    )
+    return inner, _same
+
+
+class _DivideGradient(torch.autograd.Function):
+    """The identity, whose gradient is divided by ``by`` (TorchRec's gradient division)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, by: int) -> torch.Tensor:
+        ctx.by = by
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (grad / ctx.by if ctx.by > 1 else grad), None
+
+
+class _Recat(torch.autograd.Function):
+    """The sequence embeddings put in the order the all-to-all sends them
+    (TorchRec's forward recat), and their gradient put back (its backward
+    recat), divided by ``divide``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        embeddings: torch.Tensor,
+        forward_recat: torch.Tensor | None,
+        backward_recat: torch.Tensor,
+        lengths: torch.Tensor,
+        variable_batch: bool,
+        world: int,
+        divide: int,
+    ) -> torch.Tensor:
+        dim = embeddings.shape[1]
+        ctx.divide, ctx.dim, ctx.variable_batch = divide, dim, variable_batch
+        ctx.backward_recat, ctx.permuted = backward_recat, None
+        scaled = lengths * dim
+        local_tables = scaled.shape[0]
+        if local_tables == 0:
+            return embeddings.view_as(embeddings)
+        ops = torch.ops.fbgemm
+        if variable_batch:
+            permuted, values, _ = ops.permute_1D_sparse_data(
+                forward_recat, scaled.view(-1), embeddings.reshape(-1), None, embeddings.numel()
+            )
+        else:
+            permuted, values, _ = ops.permute_2D_sparse_data(
+                forward_recat,
+                scaled.view(local_tables * world, -1),
+                embeddings.reshape(-1),
+                None,
+                embeddings.numel(),
+            )
+        ctx.permuted = permuted
+        rows: torch.Tensor = values.view(-1, dim)
+        return rows
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad.reshape(-1)
+        if ctx.permuted is not None:
+            ops = torch.ops.fbgemm
+            permute = (
+                ops.permute_1D_sparse_data if ctx.variable_batch else ops.permute_2D_sparse_data
+            )
+            _, grad, _ = permute(ctx.backward_recat, ctx.permuted, grad, None, grad.numel())
+        if ctx.divide > 1:
+            grad = grad / ctx.divide
+        return grad.view(-1, ctx.dim), None, None, None, None, None, None
+
+
+_RUNS: dict[str, Callable[[dict[str, Any], Any], tuple[Any, Callable[..., Any]]]] = {
+    "alltoall_pooled": _pooled,
+    "variable_batch_alltoall_pooled": _variable_batch,
+    "reduce_scatter_base_pooled": lambda given, group: _reduce_scatter(given, group, None),
+    "reduce_scatter_v_pooled": lambda given, group: _reduce_scatter(
+        given, group, list(given["input_splits"])
+    ),
+    "reduce_scatter_v_per_feature_pooled": _reduce_scatter_per_feature,
+    "alltoall_sequence": _sequence,
+}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Installs the replacements right after TorchRec's ``dist_data`` is imported."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _DIST_DATA:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return None
+        run_module = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run_module(module)
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
+            _install_quietly()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _install_quietly() -> None:
+    try:
+        install()
+    except RuntimeError as err:
+        # Training goes on, on TorchRec's transport; the user is told why.
+        warnings.warn(str(err), RuntimeWarning, stacklevel=3)
+
+
+def enable() -> None:
+    r"""
+    enable() -> None
+
+    What :func:`~qcomm.build_registry` calls: :func:`install` now if TorchRec's
+    ``dist_data`` is imported, else right after it is; nothing under
+    ``QCOMM_TORCHREC_COLLECTIVES=torchrec`` or without TorchRec. Where
+    :func:`install` refuses, it warns and TorchRec's transport stays.
+
+    Raises:
+        ValueError: if ``QCOMM_TORCHREC_COLLECTIVES`` is neither ``qcomm`` nor ``torchrec``.
+    """
+    if installed() or not enabled():
+        return
+    if _DIST_DATA in sys.modules:
+        _install_quietly()
+        return
+    if importlib.machinery.PathFinder.find_spec("torchrec") is None:
+        return
+    with _lock:
+        if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterImport())
