@@ -171,11 +171,16 @@ def start_exchange(
     chunk_bytes: int | None,
     add: bool = False,
     call: str = "",
+    local: Callable[[int, int], None] | None = None,
 ) -> Callable[[], None]:
     """
     Sends every region of ``sends`` (to its peers) and declares every receive of
     ``recvs`` (from its peer); returns the function that receives, decodes and
-    closes. A disagreement or failure raises :class:`~qcomm.CodecError` on every rank.
+    closes. ``local(i, n)``, where given, is this rank's own share of the work
+    in ``n`` parts: the function runs part ``i`` before it waits for the
+    ``i``-th message, so that the work fills the waits instead of delaying
+    the first send. A disagreement or failure raises
+    :class:`~qcomm.CodecError` on every rank.
     """
     align = _alignment(codec, transport)
     identity = is_identity(codec, dtype)
@@ -303,8 +308,11 @@ def start_exchange(
         return f"{call}: {'; '.join(said)}, so this rank's result is void"
 
     def finish() -> None:
+        parts = max(1, len(pending))
         try:
-            for peer, handle, region, start, stop, last_size in pending:
+            for n, (peer, handle, region, start, stop, last_size) in enumerate(pending):
+                if local is not None:
+                    local(n, parts)
                 wire = transport.received(handle)
                 if last_size is not None:
                     statuses[peer] = transport.status_of(handle, last_size)
@@ -320,6 +328,8 @@ def start_exchange(
                     if why := status_problems():
                         raise CodecError(why) from None
                     raise
+            if local is not None and not pending:
+                local(0, 1)
             if why := status_problems():
                 raise CodecError(why)
         except BaseException:

@@ -147,10 +147,26 @@ def _forward(
         ([r], Rows(x[rows[r] : rows[r + 1]], padded[rank])) for r in send_order(rank, len(dims))
     ]
     recvs = [(s, Rows(band[s], padded[s])) for s in recv_order(rank, len(dims))]
+    own, own_band = x[rows[rank] : rows[rank + 1]], band[rank]
+
+    def copy_own(part: int, parts: int) -> None:
+        # In parts, while the peers' messages arrive: copied whole before
+        # returning, it would hold up the first wait (and, on two cores,
+        # gloo's sending threads).
+        lo, hi = part * own.shape[0] // parts, (part + 1) * own.shape[0] // parts
+        own_band[lo:hi].copy_(own[lo:hi])
+
     finish = start_exchange(
-        sends, recvs, codec, ctx, call.transport, x.dtype, chunk_bytes, call=call.name
+        sends,
+        recvs,
+        codec,
+        ctx,
+        call.transport,
+        x.dtype,
+        chunk_bytes,
+        call=call.name,
+        local=copy_own,
     )
-    band[rank].copy_(x[rows[rank] : rows[rank + 1]])  # while the link is busy
 
     def done() -> torch.Tensor:
         finish()
@@ -181,11 +197,23 @@ def _backward(
     block = [grad_input[rows[s] : rows[s + 1]] for s in range(len(batches))]
     sends = [([r], Rows(band[r], padded[r])) for r in send_order(rank, len(batches))]
     recvs = [(s, Rows(block[s], padded[rank])) for s in recv_order(rank, len(batches))]
-    finish = start_exchange(
-        sends, recvs, codec, ctx, call.transport, dtype, chunk_bytes, call=call.name
-    )
-    block[rank].copy_(band[rank])
-    finish()
+    own, own_block = band[rank], block[rank]
+
+    def copy_own(part: int, parts: int) -> None:
+        lo, hi = part * own.shape[0] // parts, (part + 1) * own.shape[0] // parts
+        own_block[lo:hi].copy_(own[lo:hi])
+
+    start_exchange(
+        sends,
+        recvs,
+        codec,
+        ctx,
+        call.transport,
+        dtype,
+        chunk_bytes,
+        call=call.name,
+        local=copy_own,
+    )()
     if divide > 1:
         grad_input.div_(divide)
     return grad_input
