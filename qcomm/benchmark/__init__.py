@@ -12,5 +12,7 @@ r"""
 - :mod:`~qcomm.benchmark.timing`: time-budgeted repetition of a call.
 - :mod:`~qcomm.benchmark.metrics`: the formulas of the figures.
 - :mod:`~qcomm.benchmark.advice`: which codec pair to use on a link.
+- :mod:`~qcomm.benchmark.train`: whole training steps of a sharded DLRM (``--train``).
+- :mod:`~qcomm.benchmark.train_mlp`: those of an MLP under DDP (``--train-model mlp``).
 - :mod:`~qcomm.benchmark.report`: the terminal tables, the JSON file, the plot.
 """

@@ -16,6 +16,14 @@ from typing import Any
 from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.options import (
     QUICK_SIZES,
+    TRAIN_DEFAULTS,
+    TRAIN_MLP_DEFAULTS,
+    TRAIN_MLP_QUICK,
+    TRAIN_MODELS,
+    TRAIN_QUICK,
+    TRAIN_ROWS,
+    TRAIN_SHARDINGS,
+    TRAIN_WARM_UP_STEPS,
     BenchConfig,
     format_size,
     parse_number,
@@ -62,6 +70,17 @@ def _number(option: str, kind: type[float] | type[int], low: float, high: float)
 
     convert.__name__ = kind.__name__
     return _as_argument(convert)
+
+
+def _train_default(key: str) -> str:
+    # The help's default of a --train-* option, per model where both take it.
+    models = [("dlrm", TRAIN_DEFAULTS, TRAIN_QUICK), ("mlp", TRAIN_MLP_DEFAULTS, TRAIN_MLP_QUICK)]
+    mine = [(name, plain[key], quick[key]) for name, plain, quick in models if key in plain]
+    if len(mine) == 1:
+        return f"Default: {mine[0][1]} (--quick: {mine[0][2]})"
+    plain = ", ".join(f"{name} {value}" for name, value, _ in mine)
+    quick = ", ".join(f"{name} {value}" for name, _, value in mine)
+    return f"Default: {plain} (--quick: {quick})"
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,6 +223,43 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="qcomm's pipeline chunk (float32 bytes per message), e.g. 1M. Default: automatic",
     )
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="instead of the collectives: time whole training steps of TorchRec's DLRM "
+        "under DistributedModelParallel with no codec, TorchRec's codecs, qcomm's registries, "
+        "qcomm's DDP hook and the advice's pick, and report step time, speed-ups, the "
+        "communication share and the loss (needs TorchRec); or of an MLP (--train-model mlp)",
+    )
+    parser.add_argument(
+        "--train-model",
+        choices=TRAIN_MODELS,
+        help="with --train: dlrm (TorchRec's DLRM, sharded) or mlp (a plain MLP under "
+        "DistributedDataParallel with no comm hook, PyTorch's fp16_compress_hook and qcomm's "
+        "int8 hook with error feedback, overlapped and synchronous). Default: dlrm",
+    )
+    for key, low, high, what in (
+        ("tables", 2, 1024, "dlrm's embedding tables"),
+        ("dim", 4, 4096, "every dlrm table's embedding dimension, a multiple of 4"),
+        ("layers", 1, 1024, "the mlp's hidden layers (Linear and ReLU)"),
+        ("width", 1, 1 << 16, "the mlp's hidden layers' width, and its input features"),
+        ("batch", 1, 1 << 20, "samples per rank and step"),
+        ("steps", TRAIN_WARM_UP_STEPS + 1, 1 << 20, "training steps per series, the "
+         f"{TRAIN_WARM_UP_STEPS} untimed warm-up steps included (at least one more per round)"),
+    ):  # fmt: skip
+        parser.add_argument(
+            f"--train-{key}",
+            type=_number(f"--train-{key}", int, low, high),
+            metavar="N",
+            help=f"with --train: {what}. {_train_default(key)}",
+        )
+    parser.add_argument(
+        "--train-sharding",
+        choices=TRAIN_SHARDINGS,
+        help="with --train (dlrm): how the tables are sharded: mixed (the first half table-wise, "
+        "the rest row-wise: the pooled all-to-all and the reduce-scatter), table_wise or "
+        "row_wise. Default: mixed",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -246,6 +302,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     config.chunk_bytes = args.chunk_size
     config.link = args.link
     config.link_gbps = args.link_gbps
+    _train_config(args, config)
     if launcher_env():
         if args.link:
             raise ValueError(
@@ -267,7 +324,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             )
         config.world_size = args.world_size
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
-    _check_memory(config, local_ranks)
+    if config.train:
+        _check_train_memory(config, local_ranks)
+    else:
+        _check_memory(config, local_ranks)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot: matplotlib is not installed (pip install matplotlib)")
     # Checked now, not when the figures are written after the whole run.
@@ -301,6 +361,134 @@ def _check_memory(config: BenchConfig, local_ranks: int) -> None:
                 f"of memory ({_TENSORS_PER_SIZE} tensors of that size on each of {local_ranks} "
                 f"local ranks), and this machine has {memory / 2**30:.1f} GiB"
             )
+
+
+# The --train-* options of one model only.
+_MODEL_OPTIONS = {"dlrm": ("tables", "dim", "sharding"), "mlp": ("layers", "width")}
+
+
+def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
+    """The settings of --train; refuses options that belong to the other mode or model."""
+    keys = [*TRAIN_DEFAULTS, *(k for k in TRAIN_MLP_DEFAULTS if k not in TRAIN_DEFAULTS)]
+    given = {key: getattr(args, f"train_{key}") for key in keys}
+    if not args.train:
+        extra = {"model": args.train_model, "sharding": args.train_sharding}
+        for key, value in {**extra, **given}.items():
+            if value is not None:
+                raise ValueError(f"--train-{key}: applies to --train only; add --train")
+        return
+    others = {
+        "--codecs": args.codecs,
+        "--sizes": args.sizes,
+        "--ops": args.ops,
+        "--codec-size": args.codec_size,
+        "--budget": args.budget,
+        "--chunk-size": args.chunk_size,
+        "--backward": args.backward or None,
+        "--plot": args.plot,
+    }
+    for option, value in others.items():
+        if value is not None:
+            raise ValueError(
+                f"{option}: measures the collectives on their own and does not apply to "
+                f"--train; leave it out"
+            )
+    model = args.train_model or "dlrm"
+    if model == "mlp":
+        defaults = TRAIN_MLP_QUICK if args.quick else TRAIN_MLP_DEFAULTS
+    else:
+        defaults = TRAIN_QUICK if args.quick else TRAIN_DEFAULTS
+    given_all = {**given, "sharding": args.train_sharding}
+    for other, options in _MODEL_OPTIONS.items():
+        for key in options:
+            if other != model and given_all[key] is not None:
+                raise ValueError(
+                    f"--train-{key}: applies to --train-model {other} only, and this run "
+                    f"trains {model}; leave it out or give --train-model {other}"
+                )
+    config.train = True
+    config.train_model = model
+    config.train_batch = given["batch"] or defaults["batch"]
+    config.train_steps = given["steps"] or defaults["steps"]
+    if model == "mlp":
+        config.train_layers = given["layers"] or defaults["layers"]
+        config.train_width = given["width"] or defaults["width"]
+    else:
+        missing = [m for m in ("torchrec", "fbgemm_gpu") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(
+                f"--train: needs {' and '.join(missing)}, not installed here "
+                f"(see CONTRIBUTING.md, 'Versions'); --train-model mlp does not"
+            )
+        config.train_tables = given["tables"] or defaults["tables"]
+        config.train_dim = given["dim"] or defaults["dim"]
+        config.train_sharding = args.train_sharding or "mixed"
+        if config.train_dim % 4:
+            # fbgemm's embedding kernels take rows of whole 4-element groups.
+            raise ValueError(f"--train-dim: expected a multiple of 4, got {config.train_dim}")
+    least = TRAIN_WARM_UP_STEPS + config.rounds
+    if config.train_steps < least:
+        raise ValueError(
+            f"--train-steps: expected at least {least} ({TRAIN_WARM_UP_STEPS} warm-up steps, "
+            f"then one per round of --rounds {config.rounds}), got {config.train_steps}"
+        )
+
+
+# Models a rank of --train holds: a shard of each sharded series' model (8),
+# and the whole model of the reference series; the batches' activations and
+# gradients take a few dozen floats per sample and embedding column.
+_TRAIN_MODELS = 8
+_TRAIN_FLOATS_PER_ACTIVATION = 32
+
+
+# Copies of the MLP's parameters a rank of --train-model mlp holds: weights,
+# gradients and DDP's buckets of its 4 DDP series, the qcomm series' residuals
+# and codec buffers, the reference's weights and gradients, and what the
+# allocator keeps (up to 3.7 GB a rank measured at 8 layers of 2048: 27 copies).
+_MLP_COPIES = 28
+# Floats per sample and layer width of a step: what the forward keeps for the
+# backward, their gradients, and the allocator's cache (2.2 GB a rank measured
+# at 8 layers of 512 and a batch of 8192).
+_MLP_FLOATS_PER_ACTIVATION = 12
+
+
+def _check_train_memory(config: BenchConfig, local_ranks: int) -> None:
+    """Refuses a --train model that this machine cannot hold on its local ranks."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if config.train_model == "mlp":
+        from qcomm.benchmark.train_mlp import OUTPUTS, mlp_parameters
+
+        layers, width, batch = config.train_layers, config.train_width, config.train_batch
+        floats = (
+            _MLP_COPIES * mlp_parameters(layers, width)
+            + config.train_steps * batch * (width + OUTPUTS)
+            + _MLP_FLOATS_PER_ACTIVATION * batch * width * (layers + 1)
+        )
+        need = 4.0 * floats * local_ranks
+        if need > memory:
+            raise ValueError(
+                f"--train-layers, --train-width, --train-batch, --train-steps: {layers} layers "
+                f"of {width} and {config.train_steps} batches of {batch} need about "
+                f"{need / 2**30:.1f} GiB on {local_ranks} local ranks, and this machine has "
+                f"{memory / 2**30:.1f} GiB"
+            )
+        return
+    columns = config.train_tables * config.train_dim
+    tables = 4 * TRAIN_ROWS * columns * (_TRAIN_MODELS / config.world_size + 1)
+    activations = (
+        4 * _TRAIN_FLOATS_PER_ACTIVATION * config.world_size * config.train_batch * columns
+    )
+    need = (tables + activations) * local_ranks
+    if need > memory:
+        raise ValueError(
+            f"--train-tables, --train-dim, --train-batch: {config.train_tables} tables of "
+            f"dimension {config.train_dim} and a batch of {config.train_batch} need about "
+            f"{need / 2**30:.1f} GiB on {local_ranks} local ranks, and this machine has "
+            f"{memory / 2**30:.1f} GiB"
+        )
 
 
 def _check_output(option: str, path: str) -> None:

@@ -34,6 +34,8 @@ from qcomm.benchmark.session import (
     LINK_CONTROL_ENV,
     Session,
 )
+from qcomm.benchmark.train import run_train
+from qcomm.benchmark.train_mlp import run_train_mlp
 
 __all__ = ["run_distributed", "spawn_local"]
 
@@ -61,6 +63,9 @@ def run_distributed(config: BenchConfig, local: bool = False) -> int:
         traceback.print_exc()
         return EXIT_ERROR
     try:
+        if config.train:
+            train = run_train_mlp if config.train_model == "mlp" else run_train
+            return train(config, session)
         return run_rank(config, session)
     except Exception:
         print(f"qcomm bench: rank {rank}: error:", file=sys.stderr)

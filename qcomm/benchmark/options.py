@@ -20,6 +20,14 @@ __all__ = [
     "DEFAULT_SIZES",
     "OP_TITLES",
     "QUICK_SIZES",
+    "TRAIN_DEFAULTS",
+    "TRAIN_MLP_DEFAULTS",
+    "TRAIN_MLP_QUICK",
+    "TRAIN_MODELS",
+    "TRAIN_QUICK",
+    "TRAIN_SHARDINGS",
+    "TRAIN_ROWS",
+    "TRAIN_WARM_UP_STEPS",
     "BenchConfig",
     "format_size",
     "parse_number",
@@ -32,6 +40,24 @@ __all__ = [
 _KIB = 1024
 DEFAULT_SIZES = [64 * _KIB * 4**i for i in range(6)]  # 64 KiB, 256 KiB, ..., 64 MiB
 QUICK_SIZES = [64 * _KIB, 1024 * _KIB]
+#: untimed training steps each series of ``--train`` takes first
+TRAIN_WARM_UP_STEPS = 2
+#: rows of every table of ``--train`` (a step's cost depends on the ids looked
+#: up, not on the rows, so the tables stay small enough for a model per series)
+TRAIN_ROWS = 4096
+#: the model of ``--train`` (tables, dimension, batch per rank, steps per series)
+TRAIN_DEFAULTS = {"tables": 16, "dim": 128, "batch": 2048, "steps": 52}
+#: how ``--train-sharding`` may shard the tables (``mixed``: half each way)
+TRAIN_SHARDINGS = ("mixed", "table_wise", "row_wise")
+#: the same with ``--quick``, a smoke run
+TRAIN_QUICK = {"tables": 2, "dim": 8, "batch": 32, "steps": 5}
+#: the models of ``--train-model``: TorchRec's DLRM, sharded, or a plain MLP under DDP
+TRAIN_MODELS = ("dlrm", "mlp")
+#: the MLP of ``--train-model mlp`` (hidden layers, their width, batch per rank,
+#: steps per series): a run of about a minute and a half on 2 CPU cores
+TRAIN_MLP_DEFAULTS = {"layers": 8, "width": 2048, "batch": 256, "steps": 12}
+#: the same with ``--quick``
+TRAIN_MLP_QUICK = {"layers": 2, "width": 64, "batch": 32, "steps": 5}
 
 _UNITS = {"": 1, "K": _KIB, "M": _KIB**2, "G": _KIB**3}
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(I?B)?\s*$", re.IGNORECASE)
@@ -251,6 +277,18 @@ class BenchConfig:
         rounds (int): timed rounds of every series at every size.
         command (list[str] | None): the command line that started the run.
         link_gbps (float | None): the user's link in Gbit/s (``--link-gbps``).
+        train (bool): run the training-step benchmark instead (``--train``,
+            :mod:`~qcomm.benchmark.train`).
+        train_model (str): its model, ``dlrm`` or ``mlp``
+            (:mod:`~qcomm.benchmark.train_mlp`).
+        train_tables (int): the DLRM's tables.
+        train_sharding (str): how they are sharded: ``mixed`` (the first half
+            table-wise, the rest row-wise), ``table_wise`` or ``row_wise``.
+        train_dim (int): every table's embedding dimension.
+        train_batch (int): samples per rank and step.
+        train_steps (int): training steps per series, warm-up included.
+        train_layers (int): the MLP's hidden layers.
+        train_width (int): their width, and the MLP's input features.
     """
 
     codecs: list[str] | None = None
@@ -273,6 +311,15 @@ class BenchConfig:
     rounds: int = 5
     command: list[str] | None = None
     link_gbps: float | None = None
+    train: bool = False
+    train_model: str = "dlrm"
+    train_tables: int = TRAIN_DEFAULTS["tables"]
+    train_sharding: str = "mixed"
+    train_dim: int = TRAIN_DEFAULTS["dim"]
+    train_batch: int = TRAIN_DEFAULTS["batch"]
+    train_steps: int = TRAIN_DEFAULTS["steps"]
+    train_layers: int = TRAIN_MLP_DEFAULTS["layers"]
+    train_width: int = TRAIN_MLP_DEFAULTS["width"]
 
     def to_json(self) -> str:
         r"""

@@ -17,7 +17,15 @@ from qcomm.benchmark.advice import advise, expected_speedups, registry_string
 from qcomm.benchmark.candidates import FBGEMM_FORMATS
 from qcomm.benchmark.options import OP_TITLES, format_size
 
-__all__ = ["UNITS", "format_report", "jsonable", "write_report"]
+__all__ = [
+    "TRAIN_MLP_UNITS",
+    "TRAIN_UNITS",
+    "UNITS",
+    "format_report",
+    "format_train_report",
+    "jsonable",
+    "write_report",
+]
 
 # What the JSON's fields mean; written into the file itself.
 UNITS = {
@@ -57,6 +65,39 @@ UNITS = {
     "format / latency_s",
     "link.*_GBps": "float32 bytes per second the emulated link carried between ranks 0 and 1, "
     "one way, and each way when both send at once, 1e9 bytes/s",
+}
+
+
+# What the JSON's fields of a --train run mean (its rows: train.series).
+TRAIN_UNITS = {
+    "step_s": "median over rounds of the slowest rank's seconds per training step (forward, "
+    "backward, optimizers)",
+    "step_min_s, step_max_s": "fastest and slowest round (samples_s)",
+    "samples_s": "seconds per step of each round (the slowest rank's), in the order run",
+    "spread": "interquartile range over median of the rounds",
+    "speedup": "step_s of fp32 / step_s",
+    "vs_torchrec": "step_s of TorchRec's codecs with the same pooled all-to-all pair / step_s",
+    "comm_share": "1 - step_s of 'one rank, no collective' / step_s",
+    "loss": "the last step's training loss (BCE), mean over ranks; every series sees the same "
+    "batches from the same weights",
+    "loss_gap": "loss - fp32's loss",
+    "losses": "every step's loss, warm-up included, mean over ranks",
+}
+
+# The same for --train-model mlp.
+TRAIN_MLP_UNITS = {
+    "step_s": "median over rounds of the slowest rank's seconds per training step (forward, "
+    "backward with DDP's gradient all-reduce, SGD)",
+    "step_min_s, step_max_s": TRAIN_UNITS["step_min_s, step_max_s"],
+    "samples_s": TRAIN_UNITS["samples_s"],
+    "spread": TRAIN_UNITS["spread"],
+    "speedup": "step_s of 'default hook' / step_s",
+    "vs_fp16_hook": "step_s of 'fp16_compress_hook' / step_s",
+    "comm_share": TRAIN_UNITS["comm_share"],
+    "loss": "the last step's training loss (MSE), mean over ranks; every series sees the same "
+    "batches from the same weights",
+    "loss_gap": "loss - the default hook's loss",
+    "losses": TRAIN_UNITS["losses"],
 }
 
 
@@ -412,6 +453,118 @@ def format_report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_train_report(results: dict[str, Any]) -> str:
+    r"""
+    format_train_report(results: dict[str, Any]) -> str
+
+    The terminal report of ``qcomm bench --train``: one row per series,
+    the advice's pick (DLRM), what the figures mean, and the failures.
+
+    Args:
+        results (dict[str, Any]): the JSON's content.
+    """
+    meta, train = results["meta"], results["train"]
+    model, rows = train["model"], train["series"]
+    link = results.get("link")
+    where = f"an emulated {link['spec']} link each way" if link else "loopback"
+    if not meta.get("local"):
+        where = "the launcher's network"
+    timed = sum(model["steps_per_round"])
+    steps = (
+        f"{model['steps']} steps per series: {model['warm_up_steps']} warm-up, {timed} timed "
+        f"in {len(model['steps_per_round'])} interleaved rounds."
+    )
+    mlp = model.get("name") == "mlp"
+    if mlp:
+        what = (
+            f"MLP under DistributedDataParallel: {model['layers']} hidden layers of "
+            f"{model['width']} (Linear+ReLU), {model['parameters']:,} parameters "
+            f"({model['gradient_bytes'] / 2**20:.3g} MiB of float32 gradients a step), batch "
+            f"{model['batch_per_rank']} per rank; {steps}"
+        )
+        baseline, versus = "default", ("x fp16 hook", "vs_fp16_hook")
+    else:
+        what = (
+            f"TorchRec DLRM: {model['tables']} tables of {model['rows']} rows x {model['dim']} "
+            f"({model['table_wise']} table-wise, {model['row_wise']} row-wise), batch "
+            f"{model['batch_per_rank']} per rank; {steps}"
+        )
+        baseline, versus = "fp32", ("x TorchRec", "vs_torchrec")
+    lines = [
+        f"qcomm bench --train: {meta['world_size']} ranks, {meta['backend']} on "
+        f"{meta['device']} over {where}, {meta['threads_per_rank']} thread(s) per rank, "
+        f"{meta['duration_s']:.0f} s",
+        what,
+        "",
+    ]
+    header = ["series", "step ms", "min-max ms", "spread", f"x {baseline}", versus[0]]
+    header += ["comm share", "loss", f"gap to {baseline}"]
+    table = []
+    for r in rows:
+        if r["status"] != "ok":
+            table.append([r["label"], r["status"], *[""] * (len(header) - 2)])
+            continue
+        table.append(
+            [
+                r["label"],
+                _ms(r["step_s"]),
+                f"{_ms(r['step_min_s'])}-{_ms(r['step_max_s'])}",
+                f"{100 * r['spread']:.0f}%",
+                "-" if r["speedup"] is None else f"x{r['speedup']:.2f}",
+                "-" if r[versus[1]] is None else f"x{r[versus[1]]:.2f}",
+                "-" if r["comm_share"] is None else f"{100 * r['comm_share']:.0f}%",
+                "-" if r["loss"] is None else f"{r['loss']:.5f}",
+                "-" if r["loss_gap"] is None else f"{r['loss_gap']:+.2g}",
+            ]
+        )
+    lines += [format_table(header, table, text_columns=1), ""]
+    if mlp:
+        lines.append(
+            "step: the median round of the slowest rank's time per step (forward, backward, "
+            "SGD); 'x default': the default hook's step over the series'; 'x fp16 hook': "
+            "fp16_compress_hook's over the series'; 'comm share': 1 - (one rank alone, no "
+            "collective) / step; loss: the last step's MSE, mean over ranks, every series from "
+            "the same weights on the same batches. qcomm's hook overlaps the backward pass; "
+            "its synchronous row waits for every bucket, which shows what the overlap buys."
+        )
+    else:
+        advice = train["advice"]
+        rate = advice["gbit_per_s"]
+        for_link = "loopback" if rate is None else f"a {rate:g} Gbit/s link"
+        lines += [
+            f"Advice's pick for {for_link} (a rule, see docs/bench.rst): "
+            f"{advice['registry'] or 'no codec'}.",
+            "step: the median round of the slowest rank's time per step (forward, backward, "
+            "optimizers); 'x fp32': fp32's step over the series'; 'x TorchRec': TorchRec's "
+            "codecs with the same all-to-all pair over the series'; 'comm share': 1 - (one "
+            "rank alone, no collective) / step; loss: the last step's, mean over ranks, every "
+            "series from the same weights on the same batches.",
+        ]
+        if not train["reduce_scatter_on_qcomm"]:
+            lines.append(
+                f"TorchRec's reduce-scatter with a qcomm codec ran on TorchRec's transport: "
+                f"{_first_line(train['reduce_scatter_refused'])}."
+            )
+    load = (meta.get("load_before"), meta.get("load_after"))
+    if load[0] and load[1]:
+        lines.append(
+            f"Machine load (1-minute average) {load[0][0]:.2f} before, {load[1][0]:.2f} after, "
+            f"on {meta.get('cpu_count')} cores."
+        )
+    wide = [r["label"] for r in rows if r["status"] == "ok" and r["spread"] > SPREAD_WARNING]
+    if wide:
+        lines.append(
+            f"Warning: {', '.join(wide)} spread over more than {100 * SPREAD_WARNING:.0f}% "
+            f"between rounds: the machine was busy; rerun, or give --rounds and "
+            f"--train-steps more."
+        )
+    failures = [r for r in rows if r["status"] != "ok"]
+    if failures:
+        lines += ["", "Failed or skipped:"]
+        lines += [f"  {r['label']}: {_first_line(r['error'])}" for r in failures]
+    return "\n".join(lines)
+
+
 def _first_line(text: str | None, width: int = 160) -> str:
     line = (text or "").strip().splitlines()[0] if (text or "").strip() else "unknown error"
     return line if len(line) <= width else line[: width - 3] + "..."
@@ -630,9 +783,14 @@ def write_report(
         json_path (str, optional): where to write them all. Default: ``None``.
         plot_path (str, optional): where to draw the PNG. Default: ``None``.
     """
-    print(format_report(results), flush=True)
+    train = "train" in results
+    print((format_train_report if train else format_report)(results), flush=True)
     if json_path:
-        text = json.dumps(jsonable({**results, "units": UNITS}), indent=2, allow_nan=False)
+        units = UNITS
+        if train:
+            mlp = results["train"]["model"].get("name") == "mlp"
+            units = TRAIN_MLP_UNITS if mlp else TRAIN_UNITS
+        text = json.dumps(jsonable({**results, "units": units}), indent=2, allow_nan=False)
         try:
             with open(json_path, "w") as f:
                 f.write(text + "\n")

@@ -1,0 +1,258 @@
+r"""
+The dense-model mode of ``qcomm bench --train`` (``--train-model mlp``, see
+:doc:`/bench`, "Training steps"): a plain MLP trained by every rank under
+``torch.nn.parallel.DistributedDataParallel``, with no comm hook, PyTorch's
+``fp16_compress_hook`` and qcomm's int8 hook with error feedback, overlapped
+and waited for; the rounds, timing and figures are those of
+:mod:`~qcomm.benchmark.train`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+import qcomm
+from qcomm.benchmark.link import parse_rate
+from qcomm.benchmark.measure import _agreed_here, _load
+from qcomm.benchmark.options import TRAIN_WARM_UP_STEPS, BenchConfig
+from qcomm.benchmark.report import write_report
+from qcomm.benchmark.session import EXIT_CODEC_FAILED, Session
+from qcomm.benchmark.train import (
+    LOCAL,
+    TrainSeries,
+    _add_figures,
+    _group,
+    _meta,
+    _round_steps,
+    _row,
+    _Run,
+    _run_rounds,
+)
+
+__all__ = [
+    "DEFAULT_HOOK",
+    "FP16_HOOK",
+    "OUTPUTS",
+    "QCOMM_HOOK",
+    "QCOMM_SYNC",
+    "mlp_parameters",
+    "mlp_series",
+    "run_train_mlp",
+]
+
+#: the label of the series with DDP's own all-reduce
+DEFAULT_HOOK = "default hook"
+#: the label of the series with PyTorch's ``fp16_compress_hook``
+FP16_HOOK = "fp16_compress_hook"
+#: the label of the series with qcomm's int8 hook, overlapped with the backward pass
+QCOMM_HOOK = "qcomm int8 + error feedback"
+#: the label of the series with qcomm's int8 hook, each bucket waited for
+QCOMM_SYNC = "qcomm int8 + error feedback, synchronous"
+
+#: the MLP's outputs, the regression target's width
+OUTPUTS = 16
+# Plain SGD on MSE. The network is He-initialised, so that its output starts
+# at the target's scale; at 0.01, wide networks overshoot on the first step.
+LEARNING_RATE = 0.001
+_TEACHER_SEED = 7919  # added to --seed: the target's weights, apart from the model's
+
+
+def mlp_series() -> list[TrainSeries]:
+    r"""
+    mlp_series() -> list[TrainSeries]
+
+    The series of ``--train-model mlp``, in the report's order (each round
+    runs them in an order of its own, drawn from the seed).
+
+    Examples::
+
+        >>> [s.label for s in mlp_series()]
+        ['one rank, no collective', 'default hook', 'fp16_compress_hook', 'qcomm int8 + error feedback', 'qcomm int8 + error feedback, synchronous']
+    """
+    return [
+        TrainSeries(LOCAL, "local"),
+        TrainSeries(DEFAULT_HOOK, "fp32"),
+        TrainSeries(FP16_HOOK, "pytorch"),
+        TrainSeries(QCOMM_HOOK, "qcomm", dense="int8"),
+        TrainSeries(QCOMM_SYNC, "qcomm", dense="int8", overlap=False),
+    ]
+
+
+def mlp_parameters(layers: int, width: int) -> int:
+    r"""
+    mlp_parameters(layers: int, width: int) -> int
+
+    The parameters of the MLP of ``--train-model mlp``: ``layers`` hidden
+    layers of ``width`` (Linear and ReLU) on ``width`` input features, and a
+    linear output of :data:`OUTPUTS`; DDP all-reduces a gradient of each
+    every step.
+
+    Args:
+        layers (int): ``--train-layers``.
+        width (int): ``--train-width``.
+
+    Examples::
+
+        >>> mlp_parameters(8, 2048)
+        33603600
+    """
+    return layers * (width * width + width) + width * OUTPUTS + OUTPUTS
+
+
+def _mlp(config: BenchConfig, device: torch.device) -> torch.nn.Sequential:
+    # He-initialised from the seed, the same for every series: PyTorch's
+    # default init shrinks the signal of a deep ReLU stack layer by layer.
+    width, hidden = config.train_width, config.train_layers
+    sizes = [width] * (hidden + 1) + [OUTPUTS]
+    gen = torch.Generator().manual_seed(config.seed)
+    layers: list[torch.nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:])):
+        linear = torch.nn.Linear(fan_in, fan_out, device="meta").to_empty(device=device)
+        gain = 2.0 if i < hidden else 1.0  # a ReLU follows, or the output
+        with torch.no_grad():
+            weight = torch.randn(fan_out, fan_in, generator=gen) * math.sqrt(gain / fan_in)
+            linear.weight.copy_(weight)
+            linear.bias.zero_()
+        layers += [linear, torch.nn.ReLU()] if i < hidden else [linear]
+    return torch.nn.Sequential(*layers)
+
+
+def _batches(
+    config: BenchConfig, rank: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # This rank's inputs and targets of every step, the same for every
+    # series; the target is a fixed random linear map of the input.
+    width = config.train_width
+    teacher = torch.Generator().manual_seed(config.seed + _TEACHER_SEED)
+    weights = torch.randn(width, OUTPUTS, generator=teacher) / math.sqrt(width)
+    out = []
+    for step in range(config.train_steps):
+        gen = torch.Generator().manual_seed(config.seed + 1_000_003 * (1 + step) + rank)
+        inputs = torch.randn(config.train_batch, width, generator=gen)
+        out.append((inputs.to(device), (inputs @ weights).to(device)))
+    return out
+
+
+def _waited(future: torch.futures.Future[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+    future.wait()
+    return future
+
+
+def _model(
+    series: TrainSeries, config: BenchConfig, group: Any, device: torch.device
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    # The MLP, under DDP on `group` with the series' hook (no group: alone).
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    model: torch.nn.Module = _mlp(config, device)
+    if group is not None:
+        ids = [device] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=ids, process_group=group)
+        if series.kind == "pytorch":
+            ddp.register_comm_hook(group, fp16_compress_hook)
+        elif series.kind == "qcomm":
+            state, hook = qcomm.ddp_comm_hook(
+                series.dense, error_feedback=True, process_group=group
+            )
+            # A lambda, as DDP refuses a hook whose annotations are not its
+            # own types (strings, here); DDP reads the name "bucket".
+            ddp.register_comm_hook(
+                state,
+                hook if series.overlap else lambda state, bucket: _waited(hook(state, bucket)),
+            )
+        model = ddp
+    return model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+
+
+def _build(session: Session, config: BenchConfig, run: _Run) -> None:
+    group = None if run.series.kind == "local" else _group(session, config)
+    built, problem = _agreed_here(
+        session, lambda: _model(run.series, config, group, session.device)
+    )
+    if built is None:
+        run.status, run.error = "failed", problem
+    else:
+        run.model, run.optimizer = built
+
+
+def _mlp_step(run: _Run, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, targets = batch
+    loss = torch.nn.functional.mse_loss(run.model(inputs), targets)
+    run.optimizer.zero_grad()
+    torch.autograd.backward(loss)
+    run.optimizer.step()
+    return loss
+
+
+def _hook_name(series: TrainSeries) -> str | None:
+    if series.kind == "pytorch":
+        return FP16_HOOK
+    if series.kind == "qcomm":
+        return f"qcomm {series.dense}+ef" + ("" if series.overlap else ", waited")
+    return None
+
+
+def run_train_mlp(config: BenchConfig, session: Session) -> int:
+    r"""
+    run_train_mlp(config: BenchConfig, session: Session) -> int
+
+    Runs ``qcomm bench --train --train-model mlp`` on this rank, as
+    :func:`~qcomm.benchmark.train.run_train` runs the DLRM: builds every
+    series' model, warms each up, times the rest of ``config.train_steps``
+    in ``config.rounds`` interleaved rounds; rank 0 then prints the table
+    and writes the JSON.
+
+    Args:
+        config (BenchConfig): the run's settings.
+        session (Session): this rank's device and process groups.
+
+    Returns:
+        int: ``0``, or on rank 0 :data:`~qcomm.benchmark.session.EXIT_CODEC_FAILED`
+        when a qcomm series failed.
+    """
+    started, clock = time.time(), time.perf_counter()
+    runs = [_Run(s) for s in mlp_series()]
+    load_before = _load()
+    losses = _run_rounds(
+        session,
+        config,
+        runs,
+        lambda: _batches(config, session.rank, session.device),
+        lambda run: _build(session, config, run),
+        _mlp_step,
+    )
+    if losses is None:
+        return 0
+    rows = [_row(run, {"ddp_hook": _hook_name(run.series)}) for run in runs]
+    _add_figures(rows, losses, DEFAULT_HOOK, {"vs_fp16_hook": lambda r, ok: ok.get(FP16_HOOK)})
+    meta = _meta(config, session, started, time.perf_counter() - clock)
+    meta.update(load_before=load_before, load_after=_load())
+    parameters = mlp_parameters(config.train_layers, config.train_width)
+    results = {
+        "meta": meta,
+        "link": {"spec": config.link, "rate_bps": parse_rate(config.link)} if config.link else None,
+        "train": {
+            "model": {
+                "name": "mlp",
+                "layers": config.train_layers,
+                "width": config.train_width,
+                "outputs": OUTPUTS,
+                "parameters": parameters,
+                "gradient_bytes": 4 * parameters,
+                "batch_per_rank": config.train_batch,
+                "learning_rate": LEARNING_RATE,
+                "steps": config.train_steps,
+                "warm_up_steps": TRAIN_WARM_UP_STEPS,
+                "steps_per_round": _round_steps(config),
+            },
+            "series": rows,
+        },
+    }
+    write_report(results, json_path=config.json_path)
+    failed = any(r["status"] == "failed" and r["kind"] == "qcomm" for r in rows)
+    return EXIT_CODEC_FAILED if failed else 0

@@ -1,0 +1,221 @@
+"""`qcomm bench --train`: one smoke run on 2 local gloo ranks checked figure by
+figure against its own samples, the series and the advice's rule, and the
+options, refused before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import statistics
+import time
+
+import pytest
+
+import qcomm
+from qcomm import CodecError
+from qcomm.benchmark.command import config_from_args
+from qcomm.benchmark.launch import spawn_local
+from qcomm.benchmark.options import TRAIN_DEFAULTS, TRAIN_QUICK, TRAIN_WARM_UP_STEPS, BenchConfig
+from qcomm.benchmark.train import LOCAL, advice_pick, train_series
+from qcomm.cli import build_parser
+from qcomm.cli import main as cli_main
+
+pytest.importorskip("torchrec")
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE")
+
+
+def _config(*argv: str) -> BenchConfig:
+    return config_from_args(build_parser().parse_args(["bench", *argv]))
+
+
+def _strict_json(path: pathlib.Path) -> dict:
+    def refuse(name: str) -> None:
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One `qcomm bench --train --quick` on 2 ranks: a tiny model, 5 steps."""
+    out = tmp_path_factory.mktemp("train") / "train.json"
+    with pytest.MonkeyPatch.context() as mp:
+        for name in LAUNCHER_VARS:
+            mp.delenv(name, raising=False)
+        config = _config("--train", "--quick", "--json", str(out))
+        status = spawn_local(config)
+    return config, status, _strict_json(out)
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9)
+
+
+def test_smoke_run_has_every_series_with_its_figures(smoke, capfd):
+    config, status, results = smoke
+    assert status == 0, "a qcomm series failed"
+    train = results["train"]
+    rows = {r["label"]: r for r in train["series"]}
+    assert list(rows) == [s.label for s in train_series(config)]
+    # A series that gives the reduce-scatter int8 is skipped only where the
+    # run found that TorchRec's own transport carries it (which sums the wire).
+    carried = train["reduce_scatter_on_qcomm"]
+    for s in train_series(config):
+        row = rows[s.label]
+        if s.unsummable_reduce_scatter and not carried:
+            assert row["status"] == "skipped" and "needs qcomm's exchange" in row["error"]
+            assert train["reduce_scatter_refused"]
+        else:
+            assert row["status"] == "ok", (s.label, row["error"])
+    ok = [r for r in rows.values() if r["status"] == "ok"]
+    assert {"fp32", LOCAL, "qcomm fp16/fp16", "torchrec fp16/fp16"} <= {r["label"] for r in ok}
+    fp32, local = rows["fp32"], rows[LOCAL]
+    torchrec = {r["pair"]: r for r in ok if r["kind"] == "torchrec"}
+    for r in ok:
+        samples = r["samples_s"]
+        assert len(samples) == config.rounds
+        assert all(math.isfinite(x) and x > 0 for x in samples)
+        assert r["step_s"] == statistics.median(samples)
+        assert r["step_min_s"] == min(samples) and r["step_max_s"] == max(samples)
+        assert _close(r["speedup"], fp32["step_s"] / r["step_s"])
+        if r["kind"] == "qcomm" and r["pair"] in torchrec:
+            assert _close(r["vs_torchrec"], torchrec[r["pair"]]["step_s"] / r["step_s"])
+        else:
+            assert r["vs_torchrec"] is None
+        assert len(r["losses"]) == config.train_steps
+        assert all(math.isfinite(x) and x > 0 for x in r["losses"])
+        if r is local:
+            assert r["loss"] is None and r["comm_share"] is None
+            continue
+        assert _close(r["comm_share"], 1 - local["step_s"] / r["step_s"])
+        assert r["loss"] == r["losses"][-1]
+        assert _close(r["loss_gap"], r["loss"] - fp32["loss"])
+    assert rows["qcomm fp16/fp16"]["vs_torchrec"] is not None
+    # The DDP hook runs: the same first step, then its int8 dense gradients.
+    plain, hooked = rows["qcomm fp16/fp16"]["losses"], rows["qcomm fp16/fp16 + DDP int8"]["losses"]
+    assert hooked[0] == plain[0] and hooked[1:] != plain[1:]
+    # The same weights and batches for every series: with no codec the
+    # advice's series repeats fp32's losses bit for bit, and the reference's
+    # first step (before any update) has fp32's loss on every rank's batch.
+    assert train["advice"]["registry"] is None
+    assert rows["advice: no codec"]["losses"] == fp32["losses"]
+    # (The tables' init is small: other weights would move that loss by ~1e-6.)
+    assert math.isclose(local["losses"][0], fp32["losses"][0], rel_tol=1e-8)
+    model = train["model"]
+    assert (model["tables"], model["dim"]) == (TRAIN_QUICK["tables"], TRAIN_QUICK["dim"])
+    assert sum(model["steps_per_round"]) == config.train_steps - TRAIN_WARM_UP_STEPS
+    assert set(results["units"]) >= {"step_s", "speedup", "vs_torchrec", "comm_share", "loss"}
+
+
+def test_the_text_report_shows_every_series(smoke, tmp_path, capsys):
+    from qcomm.benchmark.report import format_train_report
+
+    _, _, results = smoke
+    text = format_train_report(results)
+    assert "x fp32" in text and "comm share" in text and "gap to fp32" in text
+    for row in results["train"]["series"]:
+        line = next(x for x in text.splitlines() if x.startswith(row["label"] + "  "))
+        if row["status"] == "ok":
+            assert f"x{row['speedup']:.2f}" in line
+        else:
+            assert row["status"] in line
+
+
+def test_the_series_and_their_registries():
+    config = BenchConfig(train=True)
+    series = train_series(config)
+    labels = [s.label for s in series]
+    assert labels[0] == "fp32" and labels[-1] == LOCAL
+    assert {
+        "torchrec fp16/fp16",
+        "torchrec int8/bf16",
+        "qcomm fp16/fp16",
+        "qcomm int8/bf16",
+    } <= set(labels)
+    hooked = [s for s in series if s.dense]
+    assert [(s.dense, s.unsummable_reduce_scatter) for s in hooked] == [("int8", False)]
+    assert "torchrec" not in " ".join(s.label for s in train_series(BenchConfig(fbgemm=False)))
+    for s in series:
+        if s.registry is None:
+            continue
+        qcomm.build_registry(s.registry, allow_unsummable_reduce_scatter=True)
+        # What the series says of its reduce-scatter is what build_registry says.
+        if s.unsummable_reduce_scatter:
+            with pytest.raises(CodecError, match="POOLED_EMBEDDINGS_REDUCE_SCATTER"):
+                qcomm.build_registry(s.registry)
+        else:
+            qcomm.build_registry(s.registry)
+
+
+def test_the_advice_rule():
+    assert advice_pick(None) is None and advice_pick(10.5) is None
+    for rate in (0.1, 1.0, 10.0):
+        pick = advice_pick(rate)
+        assert pick is not None and "pooled_embeddings_all_to_all=int8/bf16" in pick
+        qcomm.build_registry(pick)  # TorchRec's own reduce-scatter can carry it
+    linked = train_series(BenchConfig(train=True, link="1gbit"))
+    advice = next(s for s in linked if s.label.startswith("advice"))
+    assert advice.label == "advice: int8/bf16" and advice.registry == advice_pick(1.0)
+    faster = train_series(BenchConfig(train=True, link="1gbit", link_gbps=100.0))
+    assert "advice: no codec" in [s.label for s in faster]
+
+
+def test_train_options(monkeypatch, tmp_path):
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    config = _config("--train")
+    assert config.train and config.rounds == 5
+    assert config.train_tables == TRAIN_DEFAULTS["tables"]
+    assert config.train_steps == TRAIN_DEFAULTS["steps"]
+    quick = _config("--train", "--quick")
+    assert (quick.train_tables, quick.train_dim, quick.train_batch, quick.train_steps) == tuple(
+        TRAIN_QUICK[k] for k in ("tables", "dim", "batch", "steps")
+    )
+    given = _config("--train", "--train-tables", "4", "--train-dim", "32", "--train-batch", "64")
+    assert (given.train_tables, given.train_dim, given.train_batch) == (4, 32, 64)
+    again = BenchConfig.from_json(given.to_json())
+    assert again.train and again.train_dim == 32
+    assert not _config().train
+    assert _config("--train", "--train-sharding", "row_wise").train_sharding == "row_wise"
+    assert _config("--train", "--train-model", "dlrm", "--train-dim", "64").train_dim == 64
+    with pytest.raises(ValueError, match="--train-dim: applies to --train only"):
+        _config("--train-dim", "64")
+    with pytest.raises(ValueError, match="--train-dim: expected a multiple of 4, got 6"):
+        _config("--train", "--train-dim", "6")
+    with pytest.raises(ValueError, match=r"--train-steps: expected at least 7 .*--rounds 5.*got 6"):
+        _config("--train", "--train-steps", "6")
+    assert _config("--train", "--train-steps", "4", "--rounds", "2").train_steps == 4
+    for option in (["--sizes", "64K"], ["--ops", "pooled"], ["--backward"], ["--codecs", "int8"]):
+        with pytest.raises(ValueError, match=f"{option[0]}: .* does not apply to --train"):
+            _config("--train", *option)
+    with pytest.raises(ValueError, match="--plot: .* does not apply to --train"):
+        _config("--train", "--plot", str(tmp_path / "out.png"))
+    with pytest.raises(ValueError, match=r"--train-tables, --train-dim, --train-batch: .* GiB"):
+        _config("--train", "--train-tables", "1024", "--train-dim", "4096")
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        ("--train-tables", "1", "--train-tables: expected a whole number from 2 to 1024"),
+        ("--train-dim", "x", "--train-dim: expected a whole number from 4 to 4096"),
+        ("--train-batch", "0", "--train-batch: expected a whole number from 1 to"),
+        ("--train-steps", "2", "--train-steps: expected a whole number from 3 to"),
+    ],
+)
+def test_train_numbers_out_of_range_are_usage_errors(capsys, option, value, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", "--train", option, value])
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_a_bad_train_option_stops_the_command_before_any_rank(monkeypatch, capsys):
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    started = time.monotonic()
+    assert cli_main(["bench", "--train", "--train-dim", "6"]) == 2
+    assert time.monotonic() - started < 30
+    assert "--train-dim: expected a multiple of 4" in capsys.readouterr().err
