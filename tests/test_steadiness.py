@@ -7,7 +7,10 @@ huge-page-advised memory costs ~150 ms to fault in, half a call over a
 1 Gbit/s link). Counted, never timed: fresh allocations through
 ``_buffers.empty`` and the ranks' minor page faults per call, with the
 output dropped at once and with it held until the next call returns (the
-pipeline of ``TrainPipelineSparseDist``).
+pipeline of ``TrainPipelineSparseDist``). And the copy of a rank's own
+block, which never crosses the link, is done in parts before each wait for a
+peer's message, not whole before the first (on two cores it held up gloo's
+sending threads): the order of its parts and the waits is recorded.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import resource
 import statistics
 from typing import Any
 
+import pytest
 import torch
 from dist_utils import run_ranks
 
 import qcomm
-from qcomm.collectives import _buffers
+from qcomm.collectives import _buffers, _transport, pooled
 
 WORLD = 2
 SIZE = 64 << 20  # float32 bytes per rank
@@ -69,13 +73,67 @@ def steady_calls(rank: int, world: int) -> dict[str, Any]:
             }
     finally:
         _buffers.empty = make  # type: ignore[assignment]
+    result["order"], result["right"] = _own_copy_order(x, batches, dims, rank)
     return result
 
 
-def test_pooled_all_to_all_makes_no_fresh_memory_after_warm_up() -> None:
-    results = run_ranks(steady_calls, WORLD, timeout=240.0)
+def _own_copy_order(
+    x: torch.Tensor, batches: list[int], dims: list[int], rank: int
+) -> tuple[list[str], bool]:
+    """What a call does after it returns, in order: parts of the own copy
+    (``own i/n``) and waits for messages (``wait``); and whether the own
+    block came out right."""
+    events: list[str] = []
+    start, received = pooled.start_exchange, _transport.Transport.received
+
+    def recorded(*args: Any, local: Any = None, **kwargs: Any) -> Any:
+        def part(i: int, n: int) -> None:
+            events.append(f"own {i}/{n}")
+            local(i, n)
+
+        return start(*args, local=part if local else None, **kwargs)
+
+    def waited(self: Any, handle: int) -> torch.Tensor:
+        events.append("wait")
+        return received(self, handle)
+
+    pooled.start_exchange = recorded  # type: ignore[assignment]
+    _transport.Transport.received = waited  # type: ignore[method-assign]
+    try:
+        pending = qcomm.all_to_all_pooled(x, batches, dims)
+        at_return = list(events)
+        out = pending.wait()
+    finally:
+        pooled.start_exchange = start
+        _transport.Transport.received = received  # type: ignore[method-assign]
+    mine = slice(rank * batches[rank], (rank + 1) * batches[rank])
+    right = torch.equal(out[:, rank * DIM : (rank + 1) * DIM], x[mine])
+    return [*at_return, "returned", *events[len(at_return) :]], right
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_ranks(steady_calls, WORLD, timeout=240.0)
+
+
+def test_the_own_block_is_copied_while_messages_arrive(results: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(results):
-        for pattern, figures in result.items():
+        order = result["order"]
+        waits = order.count("wait")
+        assert waits > 1, f"rank {rank}: a 32 MiB share should come in chunks: {order}"
+        expected = ["returned"]
+        for i in range(waits):
+            expected += [f"own {i}/{waits}", "wait"]
+        assert order == expected, f"rank {rank}: {order}"
+        assert result["right"], f"rank {rank}: the own block came out wrong"
+
+
+def test_pooled_all_to_all_makes_no_fresh_memory_after_warm_up(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank, result in enumerate(results):
+        for pattern in ("dropped", "held"):
+            figures = result[pattern]
             assert figures["fresh"] == 0, (
                 f"rank {rank}, output {pattern}: {figures['fresh']} fresh buffers "
                 f"in {CALLS} calls after warm-up, expected none"
