@@ -84,27 +84,30 @@ def _own_copy_order(
     (``own i/n``) and waits for messages (``wait``); and whether the own
     block came out right."""
     events: list[str] = []
-    start, received = pooled.start_exchange, _transport.Transport.received
+    start: Any = getattr(pooled, "start_exchange")  # noqa: B009 - pooled's own import of it
+    received = _transport.Transport.received
 
-    def recorded(*args: Any, local: Any = None, **kwargs: Any) -> Any:
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        local: Any = kwargs.get("local")
+
         def part(i: int, n: int) -> None:
             events.append(f"own {i}/{n}")
             local(i, n)
 
-        return start(*args, local=part if local else None, **kwargs)
+        return start(*args, **{**kwargs, "local": part if local else None})
 
     def waited(self: Any, handle: int) -> torch.Tensor:
         events.append("wait")
         return received(self, handle)
 
-    pooled.start_exchange = recorded  # type: ignore[assignment]
+    setattr(pooled, "start_exchange", recorded)  # noqa: B010
     _transport.Transport.received = waited  # type: ignore[method-assign]
     try:
         pending = qcomm.all_to_all_pooled(x, batches, dims)
         at_return = list(events)
         out = pending.wait()
     finally:
-        pooled.start_exchange = start
+        setattr(pooled, "start_exchange", start)  # noqa: B010
         _transport.Transport.received = received  # type: ignore[method-assign]
     mine = slice(rank * batches[rank], (rank + 1) * batches[rank])
     right = torch.equal(out[:, rank * DIM : (rank + 1) * DIM], x[mine])
