@@ -681,7 +681,20 @@ def _version(module: str) -> str | None:
         return None
 
 
-def _meta(config: BenchConfig, session: Session, started: float, duration: float) -> dict[str, Any]:
+def run_meta(session: Session, started: float, duration: float) -> dict[str, Any]:
+    r"""
+    run_meta(session: Session, started: float, duration: float) -> dict[str, Any]
+
+    What every report's ``meta`` says of the run: versions, host, clock, ranks.
+
+    Args:
+        session (Session): this rank's device and process groups.
+        started (float): when the run started (``time.time()``).
+        duration (float): how long it took, in seconds.
+
+    Returns:
+        dict[str, Any]: the fields, JSON-ready.
+    """
     return {
         "qcomm_version": qcomm.__version__,
         "torch_version": torch.__version__,
@@ -695,6 +708,15 @@ def _meta(config: BenchConfig, session: Session, started: float, duration: float
         "device": str(session.device),
         "world_size": session.world_size,
         "threads_per_rank": torch.get_num_threads(),
+        "local": session.local,
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+    }
+
+
+def _meta(config: BenchConfig, session: Session, started: float, duration: float) -> dict[str, Any]:
+    return {
+        **run_meta(session, started, duration),
         "quick": config.quick,
         "sizes": config.sizes,
         "ops": config.ops,
@@ -706,9 +728,6 @@ def _meta(config: BenchConfig, session: Session, started: float, duration: float
         "link": config.link,
         "backward": config.backward,
         "chunk_bytes": config.chunk_bytes,
-        "local": session.local,
         "link_gbps": config.link_gbps,
-        "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
         "command": config.command,
     }

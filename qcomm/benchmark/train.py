@@ -22,7 +22,6 @@ import dataclasses
 import datetime
 import math
 import os
-import platform
 import random
 import statistics
 import time
@@ -37,11 +36,10 @@ from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.measure import (
     _agreed,
     _agreed_here,
-    _cpu_model,
     _load,
     _Progress,
     _step,
-    _version,
+    run_meta,
 )
 from qcomm.benchmark.options import TRAIN_ROWS as ROWS
 from qcomm.benchmark.options import TRAIN_WARM_UP_STEPS, BenchConfig
@@ -727,27 +725,13 @@ def _torchrec_counterpart(
 
 def _meta(config: BenchConfig, session: Session, started: float, duration: float) -> dict[str, Any]:
     return {
-        "qcomm_version": qcomm.__version__,
-        "torch_version": torch.__version__,
-        "fbgemm_gpu_version": _version("fbgemm-gpu") or _version("fbgemm-gpu-cpu"),
-        "torchrec_version": _version("torchrec"),
-        "python": platform.python_version(),
-        "host": platform.node(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "duration_s": duration,
-        "backend": session.backend,
-        "device": str(session.device),
-        "world_size": session.world_size,
-        "threads_per_rank": torch.get_num_threads(),
+        **run_meta(session, started, duration),
         "rounds": config.rounds,
         "timeout_s": config.timeout,
         "seed": config.seed,
         "link": config.link,
         "link_gbps": config.link_gbps,
-        "local": session.local,
         _TRANSPORT_ENV: os.environ.get(_TRANSPORT_ENV),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
         "command": config.command,
     }
 
