@@ -15,6 +15,7 @@ events on that stream, so DDP's wait orders its own stream after them.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import weakref
@@ -63,6 +64,13 @@ class Worker:
     def stop(self) -> None:
         """Ends the thread once the work queued before is done."""
         self._queue.put(None)
+
+    def close(self, timeout: float) -> None:
+        """Stops the thread, waits for it up to ``timeout`` seconds, and lets go of the group."""
+        self.stop()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.group = None  # type: ignore[assignment]
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -122,6 +130,16 @@ def worker_for(group: dist.ProcessGroup | None) -> Worker:
                 use_local_synchronization=True,
             )
             worker = Worker(own, f"qcomm-ddp-{dist.get_rank(group)}")
+            if not _workers:
+                atexit.register(_close_all)
             _workers[group] = worker
-            weakref.finalize(group, worker.stop)
+            weakref.finalize(group, worker.stop).atexit = False
     return worker
+
+
+def _close_all() -> None:
+    # At exit, while the interpreter still runs: a worker thread left to die
+    # with it would drop its process group during the interpreter's teardown,
+    # and gloo aborts the process there.
+    for worker in list(_workers.values()):
+        worker.close(timeout=5.0)

@@ -607,3 +607,75 @@ def test_bench_all_reduce_row(tmp_path: Any) -> None:
         theirs = rows["pytorch[allreduce_hook]"]["latency_s"] / rows[label]["latency_s"]
         assert rows[label]["vs_allreduce_hook"] == pytest.approx(theirs)
         assert rows[label]["vs_fp16_compress_hook"] > 0
+
+
+_EXITING = """
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import qcomm
+from qcomm import _ddp_worker
+
+
+def main(rank, port, destroy):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    model.register_comm_hook(*qcomm.ddp_comm_hook("int8"))
+    for _ in range(3):
+        model(torch.randn(8, 64)).sum().backward()
+    (worker,) = _ddp_worker._workers.values()
+    assert worker._thread.is_alive() and worker.group is not None
+    if destroy:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    port, destroy = int(sys.argv[1]), sys.argv[2] == "1"
+    ctx = mp.spawn(main, args=(port, destroy), nprocs=2, join=False)
+    while not ctx.join():
+        pass
+    print("ok")
+"""
+
+
+@pytest.mark.parametrize("destroy", [True, False])
+def test_processes_with_the_hook_exit_cleanly(destroy: bool, tmp_path: Any) -> None:
+    # The worker thread and its process group are let go at exit while the
+    # interpreter still runs: left to its teardown, gloo aborted the process
+    # (SIGABRT, "terminate called") about one exit in three.
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "exiting.py"
+    script.write_text(_EXITING)
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, str(script), str(port), "1" if destroy else "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+        assert "terminate called" not in done.stderr, done.stderr[-3000:]
+
+
+def test_close_all_joins_the_workers_and_lets_go_of_their_groups() -> None:
+    from qcomm import _ddp_worker
+
+    group = object()
+    worker = _ddp_worker.Worker(group, "test-worker")  # type: ignore[arg-type]
+    ran: list[Any] = []
+
+    def work(g: Any) -> torch.Tensor:
+        ran.append(g)
+        return torch.ones(1)
+
+    future = worker.submit(work, torch.device("cpu"))
+    assert torch.equal(future.wait(), torch.ones(1)) and ran == [group]
+    worker.close(timeout=5.0)
+    assert not worker._thread.is_alive() and worker.group is None
