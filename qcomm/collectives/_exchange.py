@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from qcomm.collectives import _header
+from qcomm.collectives import _background, _header
 from qcomm.collectives._describe import fingerprint
 from qcomm.collectives._transport import Transport
 from qcomm.collectives._wire import (
@@ -172,6 +172,7 @@ def start_exchange(
     add: bool = False,
     call: str = "",
     local: Callable[[int, int], None] | None = None,
+    background: bool = False,
 ) -> Callable[[], None]:
     """
     Sends every region of ``sends`` (to its peers) and declares every receive of
@@ -179,8 +180,10 @@ def start_exchange(
     closes. ``local(i, n)``, where given, is this rank's own share of the work
     in ``n`` parts: the function runs part ``i`` before it waits for the
     ``i``-th message, so that the work fills the waits instead of delaying
-    the first send. A disagreement or failure raises
-    :class:`~qcomm.CodecError` on every rank.
+    the first send. ``background``: a call waited for later; where the
+    transport moves its messages on its own, the receiving and decoding start
+    now on the background thread (``_background``). A disagreement or failure
+    raises :class:`~qcomm.CodecError` on every rank.
     """
     align = _alignment(codec, transport)
     identity = is_identity(codec, dtype)
@@ -358,6 +361,8 @@ def start_exchange(
         else:
             region.write(start, stop, checked_decode(codec, ctx, wire, stop - start), add)
 
+    if background and transport.moves_alone:
+        return _background.later(finish)
     return finish
 
 

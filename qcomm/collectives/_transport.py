@@ -112,6 +112,9 @@ class Transport:
 
     #: whether a peer's data may travel as several messages (chunks)
     chunked = False
+    #: whether posted messages move without this process's help (in the
+    #: backend's threads), so that the rest of a call can be done elsewhere
+    moves_alone = False
     #: whether the call exchanges headers before its data (see ``_header``)
     checked = False
     #: the call's number on its group, alike on every rank
@@ -249,6 +252,7 @@ class PointToPoint(Transport):
     """Each receive and each send its own message, receives posted first (gloo)."""
 
     chunked = True
+    moves_alone = True
 
     def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device, tag: int) -> None:
         super().__init__(group, rank, device)

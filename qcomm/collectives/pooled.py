@@ -166,6 +166,7 @@ def _forward(
         chunk_bytes,
         call=call.name,
         local=copy_own,
+        background=True,
     )
 
     def done() -> torch.Tensor:

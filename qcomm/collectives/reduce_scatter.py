@@ -157,10 +157,25 @@ def _reduce_scatter(
     acc = lease((splits[rank], *rest), acc_dtype, x.device)
     sends = [([r], Flat(flat[o[r] : o[r + 1]], padded[r])) for r in send_order(rank, world)]
     recvs = [(s, Flat(acc.view(-1), padded[rank])) for s in recv_order(rank, world)]
+
+    def seed(part: int, parts: int) -> None:
+        # The own block seeds the sum before the first peer's is added.
+        if part == 0:
+            acc.view(-1).copy_(flat[o[rank] : o[rank + 1]])
+
     finish = start_exchange(
-        sends, recvs, codec, ctx, call.transport, dtype, chunk_bytes, add=True, call=call.name
+        sends,
+        recvs,
+        codec,
+        ctx,
+        call.transport,
+        dtype,
+        chunk_bytes,
+        add=True,
+        call=call.name,
+        local=seed,
+        background=True,
     )
-    acc.view(-1).copy_(flat[o[rank] : o[rank + 1]])
 
     def done() -> torch.Tensor:
         finish()

@@ -141,10 +141,25 @@ def _start(
     so, ro = offsets(send_lengths), offsets(recv_lengths)
     sends = [([r], Flat(source[so[r] : so[r + 1]], padded[r])) for r in send_order(rank, world)]
     recvs = [(s, Flat(flat[ro[s] : ro[s + 1]], padded[world + s])) for s in recv_order(rank, world)]
+    own, own_out = source[so[rank] : so[rank + 1]], flat[ro[rank] : ro[rank + 1]]
+
+    def copy_own(part: int, parts: int) -> None:
+        # In parts, while the peers' messages arrive (see pooled).
+        lo, hi = part * own.numel() // parts, (part + 1) * own.numel() // parts
+        own_out[lo:hi].copy_(own[lo:hi])
+
     finish = start_exchange(
-        sends, recvs, codec, ctx, call.transport, dtype, chunk_bytes, call=call.name
+        sends,
+        recvs,
+        codec,
+        ctx,
+        call.transport,
+        dtype,
+        chunk_bytes,
+        call=call.name,
+        local=copy_own,
+        background=True,
     )
-    flat[ro[rank] : ro[rank + 1]].copy_(source[so[rank] : so[rank + 1]])
 
     def done() -> torch.Tensor:
         finish()
