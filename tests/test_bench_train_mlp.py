@@ -197,3 +197,10 @@ def test_mlp_numbers_out_of_range_are_usage_errors(capsys, argv, expected):
         build_parser().parse_args(["bench", "--train", "--train-model", "mlp", *argv])
     assert exit_info.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", [["--no-fbgemm"], ["--link-gbps", "10"]])
+def test_mlp_refuses_what_it_would_ignore(option: list[str]) -> None:
+    with pytest.raises(ValueError, match=f"{option[0]}: applies to the collectives"):
+        _config("--train", "--train-model", "mlp", *option)
+    _config("--train", *option)  # the DLRM takes them

@@ -406,6 +406,14 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
                     f"--train-{key}: applies to --train-model {other} only, and this run "
                     f"trains {model}; leave it out or give --train-model {other}"
                 )
+    if model == "mlp":
+        # The MLP has neither TorchRec's codecs to leave out nor an advice to give.
+        for option, value in (("--no-fbgemm", not args.fbgemm), ("--link-gbps", args.link_gbps)):
+            if value not in (None, False):
+                raise ValueError(
+                    f"{option}: applies to the collectives and the DLRM of --train, not to "
+                    f"--train-model mlp; leave it out"
+                )
     config.train = True
     config.train_model = model
     config.train_batch = given["batch"] or defaults["batch"]
