@@ -153,6 +153,21 @@ class Flat:
 Region = Rows | Flat
 
 
+def copy_in_parts(target: torch.Tensor, source: torch.Tensor) -> Callable[[int, int], None]:
+    """
+    The ``local`` work of :func:`start_exchange` that copies ``source`` into
+    ``target`` (this rank's own block, which crosses no link) along dim 0, in
+    as many parts as there are messages: copied whole before the first wait,
+    it would hold it up (and, on two cores, gloo's sending threads).
+    """
+
+    def copy(part: int, parts: int) -> None:
+        lo, hi = part * source.shape[0] // parts, (part + 1) * source.shape[0] // parts
+        target[lo:hi].copy_(source[lo:hi])
+
+    return copy
+
+
 def _alignment(codec: Any, transport: Transport) -> int | None:
     # The chunk alignment in elements, or None for one chunk per region.
     info = getattr(codec, "info", None)

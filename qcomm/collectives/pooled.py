@@ -22,7 +22,14 @@ from qcomm.collectives._args import (
 )
 from qcomm.collectives._buffers import lease
 from qcomm.collectives._call import Call, begin
-from qcomm.collectives._exchange import Rows, offsets, recv_order, send_order, start_exchange
+from qcomm.collectives._exchange import (
+    Rows,
+    copy_in_parts,
+    offsets,
+    recv_order,
+    send_order,
+    start_exchange,
+)
 from qcomm.collectives._pending import Pending
 from qcomm.collectives._wire import padded_lengths
 
@@ -147,15 +154,6 @@ def _forward(
         ([r], Rows(x[rows[r] : rows[r + 1]], padded[rank])) for r in send_order(rank, len(dims))
     ]
     recvs = [(s, Rows(band[s], padded[s])) for s in recv_order(rank, len(dims))]
-    own, own_band = x[rows[rank] : rows[rank + 1]], band[rank]
-
-    def copy_own(part: int, parts: int) -> None:
-        # In parts, while the peers' messages arrive: copied whole before
-        # returning, it would hold up the first wait (and, on two cores,
-        # gloo's sending threads).
-        lo, hi = part * own.shape[0] // parts, (part + 1) * own.shape[0] // parts
-        own_band[lo:hi].copy_(own[lo:hi])
-
     finish = start_exchange(
         sends,
         recvs,
@@ -165,7 +163,7 @@ def _forward(
         x.dtype,
         chunk_bytes,
         call=call.name,
-        local=copy_own,
+        local=copy_in_parts(band[rank], x[rows[rank] : rows[rank + 1]]),
         background=True,
     )
 
@@ -198,12 +196,6 @@ def _backward(
     block = [grad_input[rows[s] : rows[s + 1]] for s in range(len(batches))]
     sends = [([r], Rows(band[r], padded[r])) for r in send_order(rank, len(batches))]
     recvs = [(s, Rows(block[s], padded[rank])) for s in recv_order(rank, len(batches))]
-    own, own_block = band[rank], block[rank]
-
-    def copy_own(part: int, parts: int) -> None:
-        lo, hi = part * own.shape[0] // parts, (part + 1) * own.shape[0] // parts
-        own_block[lo:hi].copy_(own[lo:hi])
-
     start_exchange(
         sends,
         recvs,
@@ -213,7 +205,7 @@ def _backward(
         dtype,
         chunk_bytes,
         call=call.name,
-        local=copy_own,
+        local=copy_in_parts(block[rank], band[rank]),
     )()
     if divide > 1:
         grad_input.div_(divide)

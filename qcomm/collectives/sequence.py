@@ -21,7 +21,14 @@ from qcomm.collectives._args import (
 )
 from qcomm.collectives._buffers import lease
 from qcomm.collectives._call import Call, begin
-from qcomm.collectives._exchange import Flat, offsets, recv_order, send_order, start_exchange
+from qcomm.collectives._exchange import (
+    Flat,
+    copy_in_parts,
+    offsets,
+    recv_order,
+    send_order,
+    start_exchange,
+)
 from qcomm.collectives._pending import Pending
 from qcomm.collectives._wire import padded_lengths
 
@@ -141,13 +148,6 @@ def _start(
     so, ro = offsets(send_lengths), offsets(recv_lengths)
     sends = [([r], Flat(source[so[r] : so[r + 1]], padded[r])) for r in send_order(rank, world)]
     recvs = [(s, Flat(flat[ro[s] : ro[s + 1]], padded[world + s])) for s in recv_order(rank, world)]
-    own, own_out = source[so[rank] : so[rank + 1]], flat[ro[rank] : ro[rank + 1]]
-
-    def copy_own(part: int, parts: int) -> None:
-        # In parts, while the peers' messages arrive (see pooled).
-        lo, hi = part * own.numel() // parts, (part + 1) * own.numel() // parts
-        own_out[lo:hi].copy_(own[lo:hi])
-
     finish = start_exchange(
         sends,
         recvs,
@@ -157,7 +157,7 @@ def _start(
         dtype,
         chunk_bytes,
         call=call.name,
-        local=copy_own,
+        local=copy_in_parts(flat[ro[rank] : ro[rank + 1]], source[so[rank] : so[rank + 1]]),
         background=True,
     )
 
