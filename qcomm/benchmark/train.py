@@ -843,34 +843,49 @@ def run_train(config: BenchConfig, session: Session) -> int:
         for run in runs
     ]
     _add_figures(rows, losses, "fp32", {"vs_torchrec": _torchrec_counterpart})
+    gbps = link_gbps(config)
+    train = {
+        "model": {
+            "name": "dlrm",
+            "tables": config.train_tables,
+            "table_wise": table_wise_count(config),
+            "row_wise": config.train_tables - table_wise_count(config),
+            "rows": ROWS,
+            "dim": config.train_dim,
+            "batch_per_rank": config.train_batch,
+            "dense_features": DENSE_FEATURES,
+            "ids_per_bag": [1, MAX_IDS],
+            "learning_rate": LEARNING_RATE,
+            "steps": config.train_steps,
+            "warm_up_steps": TRAIN_WARM_UP_STEPS,
+            "steps_per_round": _round_steps(config),
+        },
+        "advice": {"gbit_per_s": gbps, "registry": advice_pick(gbps)},
+        "reduce_scatter_on_qcomm": refused is None,
+        "reduce_scatter_refused": refused,
+        "series": rows,
+    }
+    return _report(config, session, started, clock, load_before, train)
+
+
+def _report(
+    config: BenchConfig,
+    session: Session,
+    started: float,
+    clock: float,
+    load_before: Any,
+    train: dict[str, Any],
+) -> int:
+    """Writes a --train run's report (rank 0 prints it) and returns its exit
+    code; ``started`` and ``clock`` are the run's ``time.time()`` and
+    ``time.perf_counter()`` at its start, ``train`` the model and the rows."""
     meta = _meta(config, session, started, time.perf_counter() - clock)
     meta.update(load_before=load_before, load_after=_load())
-    gbps = link_gbps(config)
     results = {
         "meta": meta,
         "link": {"spec": config.link, "rate_bps": parse_rate(config.link)} if config.link else None,
-        "train": {
-            "model": {
-                "name": "dlrm",
-                "tables": config.train_tables,
-                "table_wise": table_wise_count(config),
-                "row_wise": config.train_tables - table_wise_count(config),
-                "rows": ROWS,
-                "dim": config.train_dim,
-                "batch_per_rank": config.train_batch,
-                "dense_features": DENSE_FEATURES,
-                "ids_per_bag": [1, MAX_IDS],
-                "learning_rate": LEARNING_RATE,
-                "steps": config.train_steps,
-                "warm_up_steps": TRAIN_WARM_UP_STEPS,
-                "steps_per_round": _round_steps(config),
-            },
-            "advice": {"gbit_per_s": gbps, "registry": advice_pick(gbps)},
-            "reduce_scatter_on_qcomm": refused is None,
-            "reduce_scatter_refused": refused,
-            "series": rows,
-        },
+        "train": train,
     }
     write_report(results, json_path=config.json_path)
-    failed = any(r["status"] == "failed" and r["kind"] == "qcomm" for r in rows)
+    failed = any(r["status"] == "failed" and r["kind"] == "qcomm" for r in train["series"])
     return EXIT_CODEC_FAILED if failed else 0

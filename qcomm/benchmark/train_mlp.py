@@ -16,17 +16,15 @@ from typing import Any
 import torch
 
 import qcomm
-from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.measure import _agreed_here, _load
 from qcomm.benchmark.options import TRAIN_WARM_UP_STEPS, BenchConfig
-from qcomm.benchmark.report import write_report
-from qcomm.benchmark.session import EXIT_CODEC_FAILED, Session
+from qcomm.benchmark.session import Session
 from qcomm.benchmark.train import (
     LOCAL,
     TrainSeries,
     _add_figures,
     _group,
-    _meta,
+    _report,
     _round_steps,
     _row,
     _Run,
@@ -230,29 +228,21 @@ def run_train_mlp(config: BenchConfig, session: Session) -> int:
         return 0
     rows = [_row(run, {"ddp_hook": _hook_name(run.series)}) for run in runs]
     _add_figures(rows, losses, DEFAULT_HOOK, {"vs_fp16_hook": lambda r, ok: ok.get(FP16_HOOK)})
-    meta = _meta(config, session, started, time.perf_counter() - clock)
-    meta.update(load_before=load_before, load_after=_load())
     parameters = mlp_parameters(config.train_layers, config.train_width)
-    results = {
-        "meta": meta,
-        "link": {"spec": config.link, "rate_bps": parse_rate(config.link)} if config.link else None,
-        "train": {
-            "model": {
-                "name": "mlp",
-                "layers": config.train_layers,
-                "width": config.train_width,
-                "outputs": OUTPUTS,
-                "parameters": parameters,
-                "gradient_bytes": 4 * parameters,
-                "batch_per_rank": config.train_batch,
-                "learning_rate": LEARNING_RATE,
-                "steps": config.train_steps,
-                "warm_up_steps": TRAIN_WARM_UP_STEPS,
-                "steps_per_round": _round_steps(config),
-            },
-            "series": rows,
+    train = {
+        "model": {
+            "name": "mlp",
+            "layers": config.train_layers,
+            "width": config.train_width,
+            "outputs": OUTPUTS,
+            "parameters": parameters,
+            "gradient_bytes": 4 * parameters,
+            "batch_per_rank": config.train_batch,
+            "learning_rate": LEARNING_RATE,
+            "steps": config.train_steps,
+            "warm_up_steps": TRAIN_WARM_UP_STEPS,
+            "steps_per_round": _round_steps(config),
         },
+        "series": rows,
     }
-    write_report(results, json_path=config.json_path)
-    failed = any(r["status"] == "failed" and r["kind"] == "qcomm" for r in rows)
-    return EXIT_CODEC_FAILED if failed else 0
+    return _report(config, session, started, clock, load_before, train)
