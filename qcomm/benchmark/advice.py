@@ -14,12 +14,22 @@ from typing import Any
 from qcomm.benchmark.metrics import predicted_time
 from qcomm.types import CommOp
 
-__all__ = ["Advice", "advise", "expected_speedups", "registry_string", "speedup_at"]
+__all__ = [
+    "ADVICE_RATES",
+    "Advice",
+    "advice_rates",
+    "advise",
+    "expected_speedups",
+    "registry_string",
+    "speedup_at",
+]
 
 _BACKWARD = ("bf16", "fp16")
 _SUMMABLE = ("noop", "fp16", "bf16")
 # Below this expected gain the no-op codec stays: not worth an error.
 _WORTH = 1.05
+#: the link rates (Gbit/s each way) advised for when the run names none
+ADVICE_RATES = [1.0, 10.0, 100.0]
 
 
 @dataclasses.dataclass
@@ -166,6 +176,26 @@ def advise(results: dict[str, Any], gbit_per_s: float) -> list[Advice]:
         )
     order = [op.value for op in CommOp]
     return sorted(out, key=lambda a: order.index(a.op))
+
+
+def advice_rates(results: dict[str, Any]) -> list[float]:
+    r"""
+    advice_rates(results: dict[str, Any]) -> list[float]
+
+    The link rates, in Gbit/s each way, the advice is for: the user's link
+    (``--link-gbps``), else the emulated one (``--link``), else
+    :data:`ADVICE_RATES`.
+
+    Args:
+        results (dict[str, Any]): the run's JSON content.
+    """
+    meta = results["meta"]
+    if meta.get("link_gbps"):
+        return [float(meta["link_gbps"])]
+    link = results.get("link")
+    if link and link.get("rate_bps"):
+        return [link["rate_bps"] / 1e9]
+    return list(ADVICE_RATES)
 
 
 def registry_string(advice: list[Advice]) -> str:
