@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml constraints.txt Makefile $(wildcard plugins/*/pyproject
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[cpu,dev]'
-	# TorchRec without its dependency on the CUDA fbgemm-gpu (tests only).
-	$(PIP) --no-deps torchrec==1.8.0
+	# TorchRec (tests only) without its CUDA dependency fbgemm-gpu: fbgemm-gpu-cpu
+	# (cpu extra) provides the same module. Its other dependencies go in first, so
+	# no later pip run reports fbgemm-gpu missing (`pip check` does: expected).
 	$(PIP) tensordict torchmetrics tqdm pyre-extensions
+	$(PIP) --no-deps torchrec==1.8.0
 	set -e; for d in plugins/*/; do if test -f $$d/pyproject.toml; then $(PIP) -e $$d; fi; done
 	touch $@
 

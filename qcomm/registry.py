@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from qcomm import torchrec_exchange
@@ -24,6 +25,19 @@ from qcomm.types import (
 __all__ = ["build_registry"]
 
 _CODECS_ENV = "QCOMM_CODECS"
+# What a refused reduce-scatter codec is replaced with in the suggested fix:
+# summable, one wire element per element, and float32's range.
+_RS_FIX = "bf16"
+
+
+@dataclass
+class _Given:
+    # How the caller gave the registry, so that an error can write its fix
+    # in the same form: "env" (QCOMM_CODECS), "string", "mapping" or
+    # "keywords"; entries are (op, the caller's key, the caller's value).
+    form: str
+    where: str = "build_registry"
+    entries: list[tuple[CommOp, Any, Any]] = field(default_factory=list)
 
 
 def _load_pair(value: Any, where: str) -> QuantizedCommCodecs:
@@ -107,7 +121,10 @@ def build_registry(
 
     Raises:
         CodecError: if an op, codec or spec is unknown or malformed, or breaks
-            the warning's rule; the message names the argument and the op.
+            the warning's rule; the message names the argument (or
+            ``QCOMM_CODECS``) and the op, and writes the warning's fix in the
+            form the codecs were given (a ``QCOMM_CODECS=...`` setting, a
+            string or a mapping).
 
     Examples::
 
@@ -125,13 +142,18 @@ def build_registry(
                 forward=_keyword_codec(forward, "forward"),
                 backward=_keyword_codec(backward, "backward"),
             )
-        return _checked(registry, allow_unsummable_reduce_scatter)
-    where = "build_registry"
+        pair = _keyword_pair(forward, backward)
+        keywords = _Given("keywords", entries=[(op, op.value, pair) for op in CommOp])
+        return _checked(registry, allow_unsummable_reduce_scatter, keywords)
+    given = _Given("mapping")
     if codecs is None:
         codecs = os.environ.get(_CODECS_ENV, "").strip()
-        where = _CODECS_ENV
+        given = _Given("env", where=_CODECS_ENV)
         if not codecs:
             return registry
+    elif isinstance(codecs, str):
+        given = _Given("string")
+    where = given.where
     if isinstance(codecs, str):
         try:
             mapping: Mapping[Any, Any] = parse_registry_string(codecs)
@@ -148,7 +170,28 @@ def build_registry(
         if op.name in registry:
             raise CodecError(f"build_registry: CommOp {op.name} is given twice")
         registry[op.name] = _load_pair(value, f"{where}[{op.name}]")
-    return _checked(registry, allow_unsummable_reduce_scatter)
+        given.entries.append((op, key, value))
+    return _checked(registry, allow_unsummable_reduce_scatter, given)
+
+
+class _Source:
+    # A value written in a suggested fix as the code that gave it.
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _keyword_pair(forward: Any, backward: Any) -> Any:
+    # The pair that forward= and backward= give every op, as a mapping's value.
+    sides: list[Any] = [
+        "noop" if value is None else value if isinstance(value, str) else _Source(name)
+        for value, name in ((forward, "forward"), (backward, "backward"))
+    ]
+    if all(isinstance(side, str) for side in sides):
+        return sides[0] if sides[0] == sides[1] else f"{sides[0]}/{sides[1]}"
+    return tuple(sides)
 
 
 def _keyword_codec(value: Any, name: str) -> Any:
@@ -159,43 +202,129 @@ def _keyword_codec(value: Any, name: str) -> Any:
 
 
 def _checked(
-    registry: dict[str, QuantizedCommCodecs], allow_unsummable_reduce_scatter: bool
+    registry: dict[str, QuantizedCommCodecs],
+    allow_unsummable_reduce_scatter: bool,
+    given: _Given,
 ) -> dict[str, QuantizedCommCodecs]:
-    _check_reduce_scatter(registry, allow_unsummable_reduce_scatter)
+    _check_reduce_scatter(registry, allow_unsummable_reduce_scatter, given)
     # A registry goes to TorchRec's sharders: their collectives with these
     # codecs run on qcomm's exchange (qcomm.torchrec_exchange).
     torchrec_exchange.enable()
     return registry
 
 
+def _keeps_size(codec: Any) -> bool:
+    return all(codec.calc_quantized_size(n) == n for n in (1, 7, 32, 4096))
+
+
 def _check_reduce_scatter(
-    registry: dict[str, QuantizedCommCodecs], allow_unsummable_reduce_scatter: bool
+    registry: dict[str, QuantizedCommCodecs],
+    allow_unsummable_reduce_scatter: bool,
+    given: _Given,
 ) -> None:
     pair = registry.get(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name)
     if pair is None or allow_unsummable_reduce_scatter:
         return
-    info = codec_info(pair.forward)
-    if not info.summable:
-        raise CodecError(
-            f"build_registry: codec {info.name!r} cannot be the forward codec of "
-            f"POOLED_EMBEDDINGS_REDUCE_SCATTER: TorchRec's reduce-scatter sums the wire "
-            f"tensors, and {info.name!r} does not declare them summable (CodecInfo.summable), "
-            f"so the result would be silently wrong. Give that op a summable codec "
-            f"(noop, fp16, bf16), e.g. build_registry({{'pooled_embeddings_all_to_all': "
-            f"'{info.name}', 'pooled_embeddings_reduce_scatter': 'fp16'}}), or pass "
-            f"allow_unsummable_reduce_scatter=True if the registry only feeds "
-            f"qcomm.reduce_scatter_pooled"
-        )
+    forward_ok = codec_info(pair.forward).summable
     # TorchRec all-gathers the backward wire into a buffer shaped like the
     # unencoded gradient, so the codec must keep one wire element per element.
-    backward = pair.backward
-    if any(backward.calc_quantized_size(n) != n for n in (1, 7, 32, 4096)):
-        name = codec_info(backward).name
-        raise CodecError(
-            f"build_registry: codec {name!r} cannot be the backward codec of "
-            f"POOLED_EMBEDDINGS_REDUCE_SCATTER: TorchRec all-gathers that gradient into a "
-            f"buffer of the unencoded size, and {name!r} changes the element count "
-            f"(calc_quantized_size). Use an element-wise codec there (noop, fp16, bf16), or "
-            f"pass allow_unsummable_reduce_scatter=True if the registry only feeds "
-            f"qcomm.reduce_scatter_pooled"
+    backward_ok = _keeps_size(pair.backward)
+    if forward_ok and backward_ok:
+        return
+    fix = _fix(given, forward_ok, backward_ok)
+    if given.form == "env":
+        allow = (
+            f"or, if the registry only feeds qcomm.reduce_scatter_pooled, build it with "
+            f"build_registry(allow_unsummable_reduce_scatter=True) (which still reads "
+            f"{_CODECS_ENV})"
         )
+    else:
+        allow = (
+            "or pass allow_unsummable_reduce_scatter=True if the registry only feeds "
+            "qcomm.reduce_scatter_pooled"
+        )
+    if not forward_ok:
+        name = codec_info(pair.forward).name
+        raise CodecError(
+            f"{given.where}: codec {name!r} cannot be the forward codec of "
+            f"POOLED_EMBEDDINGS_REDUCE_SCATTER: TorchRec's reduce-scatter sums the wire "
+            f"tensors, and {name!r} does not declare them summable (CodecInfo.summable), "
+            f"so the result would be silently wrong. Give that op a summable codec "
+            f"(noop, fp16, bf16), e.g. {fix}, {allow}"
+        )
+    name = codec_info(pair.backward).name
+    raise CodecError(
+        f"{given.where}: codec {name!r} cannot be the backward codec of "
+        f"POOLED_EMBEDDINGS_REDUCE_SCATTER: TorchRec all-gathers that gradient into a "
+        f"buffer of the unencoded size, and {name!r} changes the element count "
+        f"(calc_quantized_size). Use an element-wise codec there (noop, fp16, bf16), "
+        f"e.g. {fix}, {allow}"
+    )
+
+
+def _fix(given: _Given, forward_ok: bool, backward_ok: bool) -> str:
+    # The caller's registry with the reduce-scatter's refused codec(s)
+    # replaced by _RS_FIX, written as the caller wrote it.
+    rs = CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER
+    entries = [entry for entry in given.entries if entry[0] is not rs]
+    entries += [entry for entry in given.entries if entry[0] is rs]
+    fixed: list[tuple[Any, Any]] = []
+    for op, key, value in entries:
+        if op is rs:
+            value = _fixed_pair(value, forward_ok, backward_ok)
+        fixed.append((key, value))
+    if given.form in ("env", "string"):
+        # Every value is a "forward/backward" string of parse_registry_string.
+        text = ",".join(f"{CommOp.parse(key).value}={value}" for key, value in fixed)
+        if given.form == "env":
+            return f"{_CODECS_ENV}={_shell_quoted(text)}"
+        return f"build_registry({text!r})"
+    rs_key = next(key for op, key, _ in given.entries if op is rs)
+    if not all(_is_literal(value) for _, value in fixed):
+        # Codec objects of a mapping have no literal to write: say what changes.
+        return (
+            f"build_registry({{...}}) with {_key_text(rs_key)}: {_RS_FIX!r} and the other "
+            f"entries as before"
+        )
+    body = ", ".join(f"{_key_text(key)}: {_value_text(value)}" for key, value in fixed)
+    return f"build_registry({{{body}}})"
+
+
+def _fixed_pair(value: Any, forward_ok: bool, backward_ok: bool) -> Any:
+    if isinstance(value, str):
+        parts = [part.strip() for part in value.split("/")]
+        forward, backward = parts[0], parts[-1]
+    elif isinstance(value, (tuple, list)) and len(value) == 2:
+        forward, backward = value
+    else:
+        # One codec object for both directions, or a QuantizedCommCodecs.
+        forward = backward = value
+        if isinstance(value, QuantizedCommCodecs):
+            forward, backward = value.forward, value.backward
+    forward = forward if forward_ok else _RS_FIX
+    backward = backward if backward_ok else _RS_FIX
+    if isinstance(value, (tuple, list)) or not (
+        isinstance(forward, str) and isinstance(backward, str)
+    ):
+        return (forward, backward)
+    return forward if forward == backward else f"{forward}/{backward}"
+
+
+def _is_literal(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(isinstance(item, (str, _Source)) for item in value)
+    return isinstance(value, (str, _Source))
+
+
+def _key_text(key: Any) -> str:
+    return f"CommOp.{key.name}" if isinstance(key, CommOp) else repr(key)
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"({value[0]!r}, {value[1]!r})"
+    return repr(value)
+
+
+def _shell_quoted(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"

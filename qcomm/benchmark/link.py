@@ -4,7 +4,10 @@ a network namespace per rank, joined by veth devices shaped to ``RATE`` each
 way with ``tc``'s token-bucket filter; two ranks by one veth pair, more
 through a bridge. Namespaces are named after this process
 (``qcomm-<pid>-...``): those of a run killed outright are removed by the next.
-Needs root and iproute2's ``ip`` and ``tc``.
+Needs iproute2's ``ip`` and ``tc``, and root or, for another user, the
+``CAP_NET_ADMIN`` and ``CAP_SYS_ADMIN`` capabilities as ambient ones (the
+``ip`` and ``tc`` it runs inherit only those), with ``CAP_DAC_OVERRIDE`` too
+unless ``/run/netns`` is writable.
 """
 
 from __future__ import annotations
@@ -26,6 +29,18 @@ _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _PREFIX = "qcomm-"
 _SUBNET = "10.213.0"
 _INTERFACE = "eth0"
+# Capability bits (linux/capability.h).
+_CAP_DAC_OVERRIDE = 1
+_CAP_NET_ADMIN = 12
+_CAP_SYS_ADMIN = 21
+_CAP_NAMES = {
+    _CAP_DAC_OVERRIDE: "CAP_DAC_OVERRIDE",
+    _CAP_NET_ADMIN: "CAP_NET_ADMIN",
+    _CAP_SYS_ADMIN: "CAP_SYS_ADMIN",
+}
+_STATUS = "/proc/self/status"
+# Where `ip netns add` makes its files (in /run when the folder is not there).
+_NETNS_DIR = "/run/netns"
 
 
 class LinkError(RuntimeError):
@@ -106,7 +121,74 @@ def _remove_stale() -> None:
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
-def _check_privileges() -> None:
+def _capabilities(status: str, field: str = "CapEff") -> int | None:
+    # One capability set (a hex bit mask) of /proc/<pid>/status text; None
+    # where the line is missing or unreadable (not Linux, an old kernel).
+    for line in status.splitlines():
+        key, colon, value = line.partition(":")
+        if colon and key.strip() == field:
+            try:
+                return int(value.strip(), 16)
+            except ValueError:
+                return None
+    return None
+
+
+def _cap_list(bits: list[int]) -> str:
+    names = [_CAP_NAMES[bit] for bit in bits]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _privilege_problem(euid: int, status: str | None, netns_writable: bool) -> str | None:
+    # What --link lacks to make namespaces and shape them, or None. `status`
+    # is the text of /proc/self/status (None: unreadable).
+    needed = [_CAP_NET_ADMIN, _CAP_SYS_ADMIN]
+    if euid == 0:
+        # Root's children get its capabilities, unless a container withheld them.
+        effective = _capabilities(status or "")
+        if effective is None:
+            return None
+        missing = [bit for bit in needed if not effective >> bit & 1]
+        if not missing:
+            return None
+        return (
+            f"--link needs the {_cap_list(needed)} capabilities (network namespaces and "
+            f"tc); this process runs as root without {_cap_list(missing)} (CapEff): give "
+            f"them to its container (e.g. docker run --cap-add NET_ADMIN --cap-add "
+            f"SYS_ADMIN, or --privileged)"
+        )
+    # Another user's children (ip, tc) inherit only its ambient capabilities:
+    # effective ones from setcap on the interpreter do not reach them.
+    dac = (
+        ""
+        if netns_writable
+        else f", and {_CAP_NAMES[_CAP_DAC_OVERRIDE]} ({_NETNS_DIR} is not writable)"
+    )
+    if not netns_writable:
+        needed.append(_CAP_DAC_OVERRIDE)
+    ambient = _capabilities(status or "", "CapAmb") or 0
+    effective = _capabilities(status or "", "CapEff") or 0
+    missing = [bit for bit in needed if not ambient >> bit & 1]
+    if not missing:
+        return None
+    only_effective = [bit for bit in missing if effective >> bit & 1]
+    note = (
+        f"; it has {_cap_list(only_effective)} only in effect (as setcap on the "
+        f"interpreter gives), which ip and tc do not inherit"
+        if only_effective
+        else ""
+    )
+    caps = ",".join(f"+{_CAP_NAMES[bit][4:].lower()}" for bit in needed)
+    return (
+        f"--link needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN{dac} as ambient "
+        f"capabilities, which the ip and tc it runs inherit; this process (uid {euid}) "
+        f"lacks {_cap_list(missing)} among them (CapAmb){note}. Run it as root, or e.g. "
+        f"`sudo setpriv --reuid=$(id -u) --regid=$(id -g) --init-groups --inh-caps={caps} "
+        f"--ambient-caps={caps} qcomm bench --link ...`"
+    )
+
+
+def _check_privileges(status_path: str | None = None) -> None:
     # Raises LinkError naming what is missing; changes nothing.
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
@@ -114,11 +196,15 @@ def _check_privileges() -> None:
             f"--link needs the {' and '.join(missing)} command(s) of iproute2 on PATH "
             f"(e.g. apt-get install iproute2)"
         )
-    if os.geteuid() != 0:
-        raise LinkError(
-            "--link needs root (network namespaces and tc): run it as root, or with the "
-            "CAP_NET_ADMIN and CAP_SYS_ADMIN capabilities"
-        )
+    try:
+        with open(status_path or _STATUS) as f:
+            status: str | None = f.read()
+    except OSError:
+        status = None
+    folder = _NETNS_DIR if os.path.isdir(_NETNS_DIR) else os.path.dirname(_NETNS_DIR)
+    problem = _privilege_problem(os.geteuid(), status, os.access(folder, os.W_OK))
+    if problem:
+        raise LinkError(problem)
 
 
 class Link:
