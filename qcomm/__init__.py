@@ -34,9 +34,9 @@ _HOMES = {
     "load_codec": "qcomm.discovery",
     "build_registry": "qcomm.registry",
     "parse_codec_spec": "qcomm.specs",
-    "CodecError": "qcomm.types",
+    "CodecError": "qcomm.errors",
     "CodecInfo": "qcomm.types",
-    "CommOp": "qcomm.types",
+    "CommOp": "qcomm.ops",
     "NoOpQuantizedCommCodec": "qcomm.types",
     "QuantizedCommCodec": "qcomm.types",
     "QuantizedCommCodecs": "qcomm.types",
@@ -60,11 +60,11 @@ if TYPE_CHECKING:
     from qcomm.discovery import available_codecs as available_codecs
     from qcomm.discovery import codec_entries as codec_entries
     from qcomm.discovery import load_codec as load_codec
+    from qcomm.errors import CodecError as CodecError
+    from qcomm.ops import CommOp as CommOp
     from qcomm.registry import build_registry as build_registry
     from qcomm.specs import parse_codec_spec as parse_codec_spec
-    from qcomm.types import CodecError as CodecError
     from qcomm.types import CodecInfo as CodecInfo
-    from qcomm.types import CommOp as CommOp
     from qcomm.types import NoOpQuantizedCommCodec as NoOpQuantizedCommCodec
     from qcomm.types import QuantizedCommCodec as QuantizedCommCodec
     from qcomm.types import QuantizedCommCodecs as QuantizedCommCodecs

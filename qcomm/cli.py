@@ -19,14 +19,17 @@ import signal
 import sys
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qcomm._table import format_table
 from qcomm.benchmark._children import describe, end_with_parent, exit_status, stop_on_signals
 from qcomm.benchmark.command import add_bench_arguments, run_bench
 from qcomm.benchmark.options import parse_number
 from qcomm.discovery import codec_entries, load_codec
-from qcomm.types import CodecError, CodecInfo, codec_info
+from qcomm.errors import CodecError
+
+if TYPE_CHECKING:  # the front end imports no torch: ``qcomm list`` answers at once
+    from qcomm.types import CodecInfo
 
 
 def _describe_bound(info: CodecInfo) -> str:
@@ -41,6 +44,8 @@ def _describe_bound(info: CodecInfo) -> str:
 
 def _list(args: argparse.Namespace) -> int:
     rows = []
+    if args.details:  # only --details loads codecs, and torch with them
+        from qcomm.types import codec_info
     for name, entries in codec_entries().items():
         dist = "; ".join(f"{e.distribution} {e.version}" for e in entries)
         row = [name, dist]

@@ -13,12 +13,15 @@ import inspect
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stevedore import NamedExtensionManager
 
+from qcomm.errors import CodecError
 from qcomm.specs import parse_codec_spec
-from qcomm.types import CodecError, QuantizedCommCodec, contract_problem
+
+if TYPE_CHECKING:  # loading a codec imports torch; listing codecs must not
+    from qcomm.types import QuantizedCommCodec
 
 __all__ = ["ENTRY_POINT_GROUP", "CodecEntry", "available_codecs", "codec_entries", "load_codec"]
 
@@ -324,6 +327,8 @@ def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
         raise CodecError(
             f"{where} could not be built with options {spec_options}: {type(err).__name__}: {err}"
         ) from err
+    from qcomm.types import contract_problem
+
     problem = contract_problem(codec)
     if problem:
         raise CodecError(f"{where} returned {problem}")

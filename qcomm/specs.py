@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from qcomm.types import CodecError, CommOp
+from qcomm.errors import CodecError
+from qcomm.ops import CommOp
 
 __all__ = ["parse_codec_spec", "parse_registry_string", "split_codec_specs"]
 

@@ -500,58 +500,6 @@ def test_quick_run_model_figures_and_advice(quick_run):
         assert set(registry) == {op.name for op in CommOp}
 
 
-def _advice_results(times: dict[str, dict[str, float]], local: bool = True) -> dict:
-    # Synthetic figures: every codec at one size, noop's link bytes 4 MB.
-    ratio = {"noop": 1.0, "fp16": 2.0, "bf16": 2.0, "int8": 3.2, "mx4": 7.5}
-    points = [
-        {
-            "op": op,
-            "impl": "qcomm",
-            "label": label,
-            "codec": label,
-            "pass": "fwd",
-            "status": "ok",
-            "size_bytes": 8 << 20,
-            "latency_s": seconds,
-            "unlimited_s": seconds if local else None,
-            "link_bytes": 4e6 / ratio[label] if local else None,
-        }
-        for op, codecs in times.items()
-        for label, seconds in codecs.items()
-    ]
-    codecs = [
-        {"codec": label, "status": "ok", "max_rel_error": 0.1 / r, "rms_rel_error": 0.05 / r}
-        for label, r in ratio.items()
-    ]
-    return {"collectives": points, "codecs": codecs, "meta": {"local": local}}
-
-
-def test_advice_follows_the_model():
-    from qcomm.benchmark.advice import advise, registry_string, speedup_at
-
-    a2a, rs = (
-        CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.value,
-        CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value,
-    )
-    cheap = {"noop": 0.004, "fp16": 0.004, "bf16": 0.0045, "int8": 0.005, "mx4": 0.006}
-    results = _advice_results({a2a: cheap, rs: cheap})
-    slow = advise(results, 0.5)  # the link dominates: the smallest wire wins
-    assert [a.op for a in slow] == [a2a, rs]
-    assert slow[0].forward == "mx4" and slow[0].backward == "fp16"
-    assert slow[1].forward == "fp16"  # the reduce-scatter takes summable wires only
-    model = {k: (4e6 / r, cheap[k]) for k, r in (("noop", 1), ("mx4", 7.5))}
-    assert slow[0].forward_speedup == pytest.approx(speedup_at(model, "mx4", 0.5))
-    assert slow[0].max_rel_error == pytest.approx(0.1 / 7.5)
-    fast = advise(results, 10_000.0)  # no link limit: the codecs only cost
-    assert all(a.forward == "noop" and a.backward == "noop" for a in fast)
-    assert fast[0].speedup == pytest.approx(1.0)
-    assert registry_string(slow) == f"{a2a}=mx4/fp16,{rs}=fp16/fp16"
-    # Under a launcher the times are the cluster's own: the fastest measured wins.
-    measured = _advice_results({a2a: {"noop": 0.3, "int8": 0.1, "mx4": 0.2, "fp16": 0.15}}, False)
-    (real,) = advise(measured, 1.0)
-    assert real.forward == "int8" and real.forward_speedup == pytest.approx(3.0)
-
-
 def test_model_of_collective_time():
     assert predicted_time(3e6, 1e9, 0.004) == pytest.approx(0.005)
     assert predicted_time(0.0, 1e9, 0.004) == 0.004

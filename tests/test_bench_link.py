@@ -106,7 +106,15 @@ def test_a_short_run_on_a_1gbit_link(tmp_path: Any) -> None:
         assert 0.5 < p["measured_over_predicted"] < 2.0, (label, p["measured_over_predicted"])
     assert points["noop"]["unlimited_s"] < points["noop"]["latency_s"]
     assert points["bare:p2p"]["unlimited_s"] is None
-    assert "expected on a link of 1 Gbit/s" in stdout and "QCOMM_CODECS=" in stdout
+    assert "on the emulated 1 Gbit/s link (measured in this run)" in stdout
+    assert "QCOMM_CODECS=" in stdout
+    # One figure per fact: the advice's speed-up is the measured table's.
+    (rate,) = results["advice"]["rates"]
+    assert rate["gbit_per_s"] == 1.0
+    for advice in rate["collectives"]:
+        assert advice["measured"]
+        measured = points[advice["forward"]]["speedup"] if advice["forward"] != "noop" else 1.0
+        assert advice["forward_speedup"] == pytest.approx(measured, rel=1e-12)
 
 
 def _wait_for_namespaces(proc: subprocess.Popen[str], deadline: float) -> list[str]:

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(qcomm.__file__).parent
 
 
 def _torch_loaded_after(statement: str) -> bool:
-    code = f"import sys; {statement}; print('torch' in sys.modules)"
+    code = f"import sys\n{statement}\nprint('torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
@@ -24,8 +24,22 @@ def _torch_loaded_after(statement: str) -> bool:
 def test_importing_qcomm_or_its_pytest_plugin_loads_no_torch() -> None:
     assert not _torch_loaded_after("import qcomm")
     assert not _torch_loaded_after("import qcomm.pytest_plugin")
-    # A name brings in what it needs.
-    assert _torch_loaded_after("import qcomm; qcomm.CommOp")
+    # A name brings in what it needs, and no more.
+    assert _torch_loaded_after("import qcomm; qcomm.NoOpQuantizedCommCodec")
+    assert not _torch_loaded_after("import qcomm; qcomm.CommOp, qcomm.CodecError")
+    assert not _torch_loaded_after("import qcomm; qcomm.available_codecs()")
+
+
+def test_the_command_line_front_end_loads_no_torch() -> None:
+    # `qcomm list`, `--help` and argument parsing answer at once; torch loads
+    # for what needs it (a bench run, `list --details`, `check`'s worker).
+    assert not _torch_loaded_after("import qcomm.cli")
+    run = "from qcomm.cli import main\nimport contextlib, io\n"
+    quiet = "contextlib.redirect_stdout(io.StringIO())"
+    assert not _torch_loaded_after(f"{run}with {quiet}: main(['list'])")
+    assert _torch_loaded_after(f"{run}with {quiet}: main(['list', '--details'])")
+    parse = "from qcomm.cli import build_parser; build_parser().parse_args"
+    assert not _torch_loaded_after(f"{parse}(['bench', '--quick', '--link-gbps', '10'])")
 
 
 def test_every_public_name_and_submodule_resolves() -> None:

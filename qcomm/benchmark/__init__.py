@@ -14,5 +14,6 @@ r"""
 - :mod:`~qcomm.benchmark.advice`: which codec pair to use on a link.
 - :mod:`~qcomm.benchmark.train`: whole training steps of a sharded DLRM (``--train``).
 - :mod:`~qcomm.benchmark.train_mlp`: those of an MLP under DDP (``--train-model mlp``).
-- :mod:`~qcomm.benchmark.report`: the terminal tables, the JSON file, the plot.
+- :mod:`~qcomm.benchmark.report`: the terminal tables and the JSON file.
+- :mod:`~qcomm.benchmark.plot`: the plot.
 """

@@ -1,35 +1,110 @@
 r"""
 The answer of ``qcomm bench``: which codec pair to use on a link of a given
 rate, from the figures of one run (the JSON's content), by the rules of
-:doc:`/bench` ("The answer"). The reduce-scatter takes only codecs whose wire
-may be summed, because TorchRec sums it (:func:`~qcomm.build_registry`
-refuses any other).
+:doc:`/bench` ("The answer"):
+
+- only codecs within an error budget (``--max-error``) are candidates;
+- a speed-up is the one measured where the run measured that link, the
+  model's prediction elsewhere, and never more than the codec's bytes allow
+  (a figure above its compression ratio is noise, and is not used);
+- of the codecs as fast as the fastest within the run's own spread between
+  rounds (:func:`run_spread`), the one with the least error wins (the no-op
+  codec's is none), so that noise does not decide between codecs, nor
+  between a codec and none.
+
+The reduce-scatter takes only codecs whose wire may be summed
+(``CodecInfo.summable``), as :func:`~qcomm.build_registry` requires.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from typing import Any
 
 from qcomm.benchmark.metrics import predicted_time
-from qcomm.types import CommOp
+from qcomm.errors import CodecError
+from qcomm.ops import CommOp
+from qcomm.specs import parse_registry_string
 
 __all__ = [
     "ADVICE_RATES",
+    "DEFAULT_MAX_ERROR",
+    "NOISE_MARGIN",
     "Advice",
+    "Speedup",
+    "advice_json",
     "advice_rates",
     "advise",
+    "cpu_limits",
+    "error_budget",
     "expected_speedups",
+    "is_noise",
+    "read_loss_gaps",
     "registry_string",
+    "run_spread",
     "speedup_at",
+    "speedups",
 ]
 
-_BACKWARD = ("bf16", "fp16")
-_SUMMABLE = ("noop", "fp16", "bf16")
-# Below this expected gain the no-op codec stays: not worth an error.
-_WORTH = 1.05
 #: the link rates (Gbit/s each way) advised for when the run names none
 ADVICE_RATES = [1.0, 10.0, 100.0]
+#: the default error budget (an RMS error relative to the data's); the
+#: training example finds no significant loss gap for the codecs under it
+#: (fp16, bf16, int8, fp8_e4m3), and one for mx4, far over it
+DEFAULT_MAX_ERROR = 3e-2
+#: a speed-up over the no-op codec this far above the codec's compression
+#: ratio cannot come from its bytes: it is the run's noise
+NOISE_MARGIN = 1.05
+# Gradients' errors add up from step to step: the backward codec is a 16-bit cast.
+_BACKWARD = ("bf16", "fp16")
+# Below this expected gain the no-op codec stays: not worth an error.
+_WORTH = 1.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Speedup:
+    r"""
+    A codec's speed-up over the no-op codec at one link rate.
+
+    Args:
+        value (float): the no-op codec's median time over the codec's.
+        measured (bool): measured on this link in this run, not predicted.
+        ratio (float): the codec's compression ratio, the most its bytes allow.
+    """
+
+    value: float
+    measured: bool
+    ratio: float
+
+    @property
+    def noise(self) -> bool:
+        r"""
+        noise() -> bool
+
+        Whether the figure exceeds what the codec's bytes allow (:func:`is_noise`).
+        """
+        return is_noise(self.value, self.ratio)
+
+
+def is_noise(speedup: float, ratio: float | None) -> bool:
+    r"""
+    is_noise(speedup: float, ratio: float | None) -> bool
+
+    Whether a speed-up over the no-op codec is more than a codec with this
+    compression ratio can give, by more than :data:`NOISE_MARGIN`.
+
+    Args:
+        speedup (float): the figure.
+        ratio (float, optional): the codec's compression ratio; ``None`` if unknown.
+
+    Examples::
+
+        >>> is_noise(2.26, 2.0), is_noise(2.05, 2.0), is_noise(3.0, None)
+        (True, False, False)
+    """
+    return ratio is not None and speedup > ratio * NOISE_MARGIN
 
 
 @dataclasses.dataclass
@@ -46,6 +121,20 @@ class Advice:
         forward_speedup (float): expected speed-up of the forward pass.
         max_rel_error (float): the forward codec's ``max_rel_error``.
         rms_rel_error (float): the forward codec's ``rms_rel_error``.
+        gbit_per_s (float): the link's rate. Default: ``0.0``.
+        measured (bool): the speed-ups were measured on this link in this run
+            (else the model predicted them). Default: ``False``.
+        left_out (list[str]): faster codecs the error budget left out, each
+            with its speed-up and why. Default: none.
+        noise (list[str]): codecs whose figure was noise (:func:`is_noise`),
+            not used. Default: none.
+        close (list[str]): codecs faster than the pick, left to it by the
+            run's spread (too close to the pick, or to no codec, to tell
+            apart). Default: none.
+        spread (float): the run's spread at this rate (:func:`run_spread`):
+            speed-ups closer than this factor are not told apart. Default: ``1.0``.
+        loss_gap (dict, optional): the training example's held-out loss gap
+            of the forward codec (:func:`read_loss_gaps`). Default: ``None``.
     """
 
     op: str
@@ -55,6 +144,13 @@ class Advice:
     forward_speedup: float
     max_rel_error: float
     rms_rel_error: float
+    gbit_per_s: float = 0.0
+    measured: bool = False
+    left_out: list[str] = dataclasses.field(default_factory=list)
+    noise: list[str] = dataclasses.field(default_factory=list)
+    close: list[str] = dataclasses.field(default_factory=list)
+    spread: float = 1.0
+    loss_gap: dict[str, Any] | None = None
     #: ``forward/backward``, as a registry string writes it
     pair: str = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -62,30 +158,123 @@ class Advice:
         self.pair = f"{self.forward}/{self.backward}"
 
 
-def _models(results: dict[str, Any]) -> dict[str, dict[str, tuple[float, float]]]:
-    # op -> label -> (link bytes, seconds without a link limit), forward pass
-    # at the largest size. Under a launcher the times are those of the real
-    # link: link bytes 0 make the model return them as they are.
-    real = results["meta"].get("local") is False
-    # The registry's collectives only: the all-reduce's codec is the DDP hook's.
+def _largest_forward(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    # op -> label -> qcomm's forward point at the run's largest size. The
+    # registry's collectives only: the all-reduce's codec is the DDP hook's.
     ops = {op.value for op in CommOp}
     points = [
         p
         for p in results["collectives"]
-        if p["impl"] == "qcomm"
-        and p["op"] in ops
-        and p["pass"] == "fwd"
-        and p["status"] == "ok"
-        and (real or (p.get("unlimited_s") and p.get("link_bytes") is not None))
+        if p["impl"] == "qcomm" and p["op"] in ops and p["pass"] == "fwd" and p["status"] == "ok"
     ]
     if not points:
         return {}
     size = max(p["size_bytes"] for p in points)
-    out: dict[str, dict[str, tuple[float, float]]] = {}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
     for p in points:
         if p["size_bytes"] == size:
-            figures = (0.0, p["latency_s"]) if real else (p["link_bytes"], p["unlimited_s"])
-            out.setdefault(p["op"], {})[p["label"]] = figures
+            out.setdefault(p["op"], {})[p["label"]] = p
+    return out
+
+
+def _measured_at(results: dict[str, Any], gbit_per_s: float) -> bool:
+    # A launcher's ranks ran on the cluster's link; --link emulated one rate.
+    if results["meta"].get("local") is False:
+        return True
+    rate = (results.get("link") or {}).get("rate_bps")
+    return rate is not None and math.isclose(rate / 1e9, gbit_per_s, rel_tol=1e-6)
+
+
+def _times(p: dict[str, Any], gbit_per_s: float, measured: bool) -> tuple[float, ...] | None:
+    # (median, fastest, slowest) seconds of a call on the link.
+    if measured:
+        return p["latency_s"], p.get("latency_min_s", p["latency_s"]), p.get(
+            "latency_max_s", p["latency_s"]
+        )  # fmt: skip
+    cpu = p.get("unlimited_s")
+    if not cpu or p.get("link_bytes") is None:
+        return None
+    rate = gbit_per_s * 1e9 / 8
+    spread = (cpu, p.get("unlimited_min_s") or cpu, p.get("unlimited_max_s") or cpu)
+    return tuple(predicted_time(p["link_bytes"], rate, s) for s in spread)
+
+
+def speedups(results: dict[str, Any], gbit_per_s: float) -> dict[str, dict[str, Speedup]]:
+    r"""
+    speedups(results: dict[str, Any], gbit_per_s: float) -> dict[str, dict[str, Speedup]]
+
+    Every qcomm codec's speed-up over the no-op codec, ``op -> codec ->
+    figure``, forward pass at the run's largest size: measured where the run
+    measured this link, predicted by the model elsewhere.
+
+    Args:
+        results (dict[str, Any]): the run's JSON content.
+        gbit_per_s (float): the link's rate in Gbit/s each way.
+    """
+    measured = _measured_at(results, gbit_per_s)
+    out: dict[str, dict[str, Speedup]] = {}
+    for op, points in _largest_forward(results).items():
+        base = _times(points["noop"], gbit_per_s, measured) if "noop" in points else None
+        if base is None:
+            continue
+        figures = {}
+        for label, p in points.items():
+            times = _times(p, gbit_per_s, measured)
+            if times is None:
+                continue
+            ratio = 1.0 if label == "noop" else p.get("compression_ratio") or 1.0
+            figures[label] = Speedup(base[0] / times[0], measured, ratio)
+        out[op] = figures
+    return out
+
+
+def run_spread(results: dict[str, Any], gbit_per_s: float) -> float:
+    r"""
+    run_spread(results: dict[str, Any], gbit_per_s: float) -> float
+
+    How far apart this run's repetitions fall at a link rate: the slowest
+    round's time over the fastest's (measured, or predicted from the times
+    without a link limit) that nine in ten of the qcomm series the advice
+    weighs stay within. Speed-ups that differ by less are not told apart: on
+    a busy machine the medians of a few rounds move by that much from run
+    to run.
+
+    Args:
+        results (dict[str, Any]): the run's JSON content.
+        gbit_per_s (float): the link's rate in Gbit/s each way.
+    """
+    measured = _measured_at(results, gbit_per_s)
+    ranges = []
+    for points in _largest_forward(results).values():
+        for p in points.values():
+            times = _times(p, gbit_per_s, measured)
+            if times is not None and times[1] > 0:
+                ranges.append(times[2] / times[1])
+    if not ranges:
+        return 1.0
+    ranges.sort()
+    return ranges[math.ceil(0.9 * len(ranges)) - 1]
+
+
+def cpu_limits(results: dict[str, Any]) -> dict[str, float]:
+    r"""
+    cpu_limits(results: dict[str, Any]) -> dict[str, float]
+
+    Per collective, the link rate in Gbit/s at which the no-op codec's bytes
+    take as long on the link as its call takes without a link limit: above
+    it this machine's CPU, not the link, bounds every codec, and the
+    speed-ups flatten. Empty under a launcher (no model there).
+
+    Args:
+        results (dict[str, Any]): the run's JSON content.
+    """
+    if results["meta"].get("local") is False:
+        return {}
+    out = {}
+    for op, points in _largest_forward(results).items():
+        noop = points.get("noop", {})
+        if noop.get("unlimited_s") and noop.get("link_bytes"):
+            out[op] = noop["link_bytes"] * 8 / noop["unlimited_s"] / 1e9
     return out
 
 
@@ -93,7 +282,7 @@ def speedup_at(model: dict[str, tuple[float, float]], label: str, gbit_per_s: fl
     r"""
     speedup_at(model: dict[str, tuple[float, float]], label: str, gbit_per_s: float) -> float
 
-    The expected speed-up of codec ``label`` over ``noop`` on a link.
+    The model's speed-up of codec ``label`` over ``noop`` on a link.
 
     Args:
         model (dict[str, tuple[float, float]]): codec to link bytes and time without a link limit.
@@ -106,38 +295,110 @@ def speedup_at(model: dict[str, tuple[float, float]], label: str, gbit_per_s: fl
         >>> round(speedup_at(model, "int8", 1.0), 2)  # 32.1 ms against 10.8 ms
         2.98
     """
-    return _seconds(model, "noop", gbit_per_s) / _seconds(model, label, gbit_per_s)
-
-
-def _seconds(model: dict[str, tuple[float, float]], label: str, gbit_per_s: float) -> float:
-    link_bytes, unlimited = model[label]
-    return predicted_time(link_bytes, gbit_per_s * 1e9 / 8, unlimited)
+    rate = gbit_per_s * 1e9 / 8
+    noop, codec = model["noop"], model[label]
+    return predicted_time(noop[0], rate, noop[1]) / predicted_time(codec[0], rate, codec[1])
 
 
 def expected_speedups(
     results: dict[str, Any], rates_gbit: list[float]
-) -> dict[str, dict[str, list[float]]]:
+) -> dict[str, dict[str, list[float | None]]]:
     r"""
-    expected_speedups(results: dict[str, Any], rates_gbit: list[float]) -> dict[str, dict[str, list[float]]]
+    expected_speedups(results: dict[str, Any], rates_gbit: list[float]) -> dict[str, dict[str, list[Optional[float]]]]
 
-    Every qcomm codec's expected speed-ups, ``op -> codec -> speed-ups``, at
-    the run's largest size (forward pass).
+    Every qcomm codec's speed-ups predicted by the model, ``op -> codec ->
+    speed-ups``, at the run's largest size (forward pass); ``None`` where the
+    figure is noise (:func:`is_noise`). Under a launcher, the measured ones.
 
     Args:
         results (dict[str, Any]): the run's JSON content.
         rates_gbit (list[float]): link rates in Gbit/s.
     """
-    out: dict[str, dict[str, list[float]]] = {}
-    for op, model in _models(results).items():
-        if "noop" not in model:
-            continue
-        out[op] = {label: [speedup_at(model, label, r) for r in rates_gbit] for label in model}
+    real = results["meta"].get("local") is False
+    out: dict[str, dict[str, list[float | None]]] = {}
+    for rate in rates_gbit:
+        local = {**results, "link": None} if not real else results  # the model, always
+        for op, figures in speedups(local, rate).items():
+            for label, f in figures.items():
+                out.setdefault(op, {}).setdefault(label, []).append(None if f.noise else f.value)
     return out
 
 
-def advise(results: dict[str, Any], gbit_per_s: float) -> list[Advice]:
+def error_budget(
+    results: dict[str, Any], max_error: str | float | None = None
+) -> tuple[float, str]:
     r"""
-    advise(results: dict[str, Any], gbit_per_s: float) -> list[Advice]
+    error_budget(results: dict[str, Any], max_error: str | float | None = None) -> tuple[float, str]
+
+    The largest RMS error, relative to the data's, a recommended codec may
+    have, and how the report names it.
+
+    Args:
+        results (dict[str, Any]): the run's JSON content.
+        max_error (str | float, optional): a number, or a codec of the run
+            (``"bf16"``: as good as bf16 on this run's data). Default:
+            :data:`DEFAULT_MAX_ERROR`.
+
+    Raises:
+        ValueError: if ``max_error`` is neither a positive number nor a codec
+            this run measured.
+
+    Examples::
+
+        >>> error_budget({"codecs": []}, "1e-2")
+        (0.01, 'RMS error at most 0.01 (--max-error)')
+    """
+    if max_error is None:
+        return DEFAULT_MAX_ERROR, f"RMS error at most {DEFAULT_MAX_ERROR:g} (the default)"
+    try:
+        limit = float(max_error)
+    except ValueError:
+        rows = {r["codec"]: r for r in results["codecs"] if r["status"] == "ok"}
+        if max_error not in rows:
+            raise ValueError(
+                f"--max-error: expected a relative RMS error such as 1e-2, or a codec this "
+                f"run measured ({', '.join(rows)}), got {max_error!r}"
+            ) from None
+        limit = rows[str(max_error)]["rms_rel_error"]
+        return limit, f"as good as {max_error} (RMS error at most {limit:.2g}, --max-error)"
+    if not limit > 0 or math.isinf(limit):
+        raise ValueError(f"--max-error: expected a positive number, got {max_error!r}")
+    return limit, f"RMS error at most {limit:g} (--max-error)"
+
+
+def _pick(
+    labels: list[str], figures: dict[str, Speedup], errors: dict[str, float], spread: float
+) -> tuple[str, list[str]]:
+    # Only a codec faster than the no-op codec by more than the run's spread
+    # (and by _WORTH) is worth its error. Of those, every one within the
+    # spread of the fastest is as fast as far as this run can tell: the
+    # least error wins, so that noise does not decide between codecs of one
+    # size on the wire. Also returns the codecs faster than the pick that
+    # lost to their error or to the spread.
+    clear = [label for label in labels if figures[label].value >= max(spread, _WORTH)]
+    if not clear:
+        faster = [label for label in labels if figures[label].value > 1.0 and label != "noop"]
+        return "noop", faster
+    best = max(figures[label].value for label in clear)
+    close = [label for label in clear if figures[label].value * spread >= best]
+    pick = min(close, key=lambda label: (errors[label], -figures[label].value, label))
+    faster = [label for label in labels if figures[label].value > figures[pick].value]
+    return pick, faster
+
+
+def _left_out_text(label: str, figure: Speedup, why: str) -> str:
+    return f"{label} (x{figure.value:.2f}, {why})"
+
+
+def advise(
+    results: dict[str, Any],
+    gbit_per_s: float,
+    *,
+    max_error: str | float | None = None,
+    loss_gaps: dict[str, dict[str, dict[str, Any]]] | None = None,
+) -> list[Advice]:
+    r"""
+    advise(results: dict[str, Any], gbit_per_s: float, *, max_error: str | float | None = None, loss_gaps: dict | None = None) -> list[Advice]
 
     The recommended codec pair of every measured collective, in
     :class:`~qcomm.CommOp` order.
@@ -145,33 +406,59 @@ def advise(results: dict[str, Any], gbit_per_s: float) -> list[Advice]:
     Args:
         results (dict[str, Any]): the run's JSON content.
         gbit_per_s (float): the link's rate in Gbit/s.
+        max_error (str | float, optional): the error budget
+            (:func:`error_budget`). Default: :data:`DEFAULT_MAX_ERROR`, which
+            also leaves out codecs whose training loss gap is significant.
+        loss_gaps (dict, optional): the training example's gaps
+            (:func:`read_loss_gaps`). Default: ``None``.
     """
-    errors = {r["codec"]: r for r in results["codecs"] if r["status"] == "ok"}
+    limit, _ = error_budget(results, max_error)
+    rows = {r["codec"]: r for r in results["codecs"] if r["status"] == "ok"}
+    spread = run_spread(results, gbit_per_s)
     out = []
-    for op, model in _models(results).items():
-        if "noop" not in model:
+    for op, figures in speedups(results, gbit_per_s).items():
+        gaps = (loss_gaps or {}).get(op, {})
+        noise = [label for label, f in figures.items() if f.noise]
+        left_out, allowed = [], []
+        for label, figure in figures.items():
+            row = rows.get(label)
+            if row is None or label in noise:
+                continue
+            gap = gaps.get(label)
+            if op == CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value and not row.get("summable"):
+                continue  # not a candidate at all: the wire would be summed
+            if row["rms_rel_error"] > limit:
+                why = f"RMS error {row['rms_rel_error']:.2g} over {limit:.2g}"
+                left_out.append((label, _left_out_text(label, figure, why)))
+            elif max_error is None and gap and gap["significant"] and gap["held_out_gap"] > 0:
+                why = f"training loss gap +{gap['held_out_gap']:.4f}, significant"
+                left_out.append((label, _left_out_text(label, figure, why)))
+            else:
+                allowed.append(label)
+        if "noop" not in allowed:
             continue
-        allowed = [label for label in model if label in errors]
-        if op == CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value:
-            allowed = [label for label in allowed if label.partition(":")[0] in _SUMMABLE]
-        gains = {label: speedup_at(model, label, gbit_per_s) for label in allowed}
-        forward = max(gains, key=lambda label: gains[label], default="noop")
-        if gains.get(forward, 1.0) < _WORTH:
-            forward = "noop"
-        casts = [label for label in gains if label in _BACKWARD and gains[label] >= _WORTH]
-        backward = max(casts, key=lambda label: gains[label], default="noop")
-        times = [_seconds(model, label, gbit_per_s) for label in ("noop", forward, backward)]
-        pair = 2 * times[0] / (times[1] + times[2])
-        row = errors.get(forward, {})
+        errors = {label: rows[label]["rms_rel_error"] for label in allowed}
+        forward, close = _pick(allowed, figures, errors, spread)
+        casts = [label for label in allowed if label in (*_BACKWARD, "noop")]
+        backward, _ = _pick(casts, figures, errors, spread)
+        f, b = figures[forward].value, figures[backward].value
+        best = figures[forward]
         out.append(
             Advice(
                 op=op,
                 forward=forward,
                 backward=backward,
-                speedup=pair,
-                forward_speedup=gains.get(forward, 1.0),
-                max_rel_error=row.get("max_rel_error", 0.0),
-                rms_rel_error=row.get("rms_rel_error", 0.0),
+                speedup=2 / (1 / f + 1 / b),
+                forward_speedup=f,
+                max_rel_error=rows[forward]["max_rel_error"],
+                rms_rel_error=rows[forward]["rms_rel_error"],
+                gbit_per_s=gbit_per_s,
+                measured=best.measured,
+                left_out=[text for label, text in left_out if figures[label].value > f],
+                noise=noise,
+                close=close,
+                spread=spread,
+                loss_gap=gaps.get(forward),
             )
         )
     order = [op.value for op in CommOp]
@@ -196,6 +483,94 @@ def advice_rates(results: dict[str, Any]) -> list[float]:
     if link and link.get("rate_bps"):
         return [link["rate_bps"] / 1e9]
     return list(ADVICE_RATES)
+
+
+def advice_json(
+    results: dict[str, Any],
+    *,
+    max_error: str | float | None = None,
+    loss_gaps: dict[str, dict[str, dict[str, Any]]] | None = None,
+    training_results: str | None = None,
+) -> dict[str, Any]:
+    r"""
+    advice_json(results: dict[str, Any], *, max_error: str | float | None = None, loss_gaps: dict | None = None, training_results: str | None = None) -> dict[str, Any]
+
+    The advice as the JSON's ``advice`` key: the error budget, and per link
+    rate the registry string and per collective the pair, its spec, its
+    expected speed-up and error, and whether it was measured or predicted.
+
+    Args:
+        results (dict[str, Any]): the run's JSON content.
+        max_error (str | float, optional): the error budget. Default: the default.
+        loss_gaps (dict, optional): the training example's gaps. Default: ``None``.
+        training_results (str, optional): the file they came from. Default: ``None``.
+    """
+    limit, budget = error_budget(results, max_error)
+    rates = []
+    for rate in advice_rates(results):
+        advice = advise(results, rate, max_error=max_error, loss_gaps=loss_gaps)
+        collectives = [
+            {**dataclasses.asdict(a), "pair": a.pair, "spec": registry_string([a])} for a in advice
+        ]
+        rates.append(
+            {"gbit_per_s": rate, "registry": registry_string(advice), "collectives": collectives}
+        )
+    return {
+        "max_rms_error": limit,
+        "budget": budget,
+        "training_results": training_results,
+        "rates": rates,
+    }
+
+
+def read_loss_gaps(path: str) -> dict[str, dict[str, dict[str, Any]]]:
+    r"""
+    read_loss_gaps(path: str) -> dict[str, dict[str, dict[str, Any]]]
+
+    The held-out loss gaps to float32 the training example
+    (``examples/train_dlrm.py``) wrote in its ``results.json``, ``op ->
+    forward codec -> {config, held_out_gap, ci95, significant}``; the
+    configurations of the dense hook are left out.
+
+    Args:
+        path (str): the example's ``results.json``.
+
+    Raises:
+        ValueError: if the file cannot be read or is not the example's.
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        runs, summary = data["runs"], data["summary"]
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for name, seeds in runs.items():
+            config = seeds[0]
+            if config.get("dense") or not config.get("registry") or name not in summary:
+                continue
+            row = summary[name]
+            for op, pair in parse_registry_string(config["registry"]).items():
+                forward = pair.partition("/")[0].strip()
+                gap = {
+                    "config": name,
+                    "held_out_gap": row["held_out_gap"],
+                    "ci95": row["held_out_gap_ci95"],
+                    "significant": bool(row["significant"]),
+                }
+                out.setdefault(op.value, {}).setdefault(forward, gap)
+        return out
+    except (
+        OSError,
+        ValueError,
+        CodecError,
+        KeyError,
+        TypeError,
+        IndexError,
+        AttributeError,
+    ) as err:
+        raise ValueError(
+            f"--training-results: cannot read the training example's results from {path!r}: "
+            f"{type(err).__name__}: {err}"
+        ) from None
 
 
 def registry_string(advice: list[Advice]) -> str:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from qcomm.benchmark.advice import DEFAULT_MAX_ERROR, read_loss_gaps
 from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.options import (
     QUICK_SIZES,
@@ -32,12 +34,14 @@ from qcomm.benchmark.options import (
     parse_sizes,
     split_codec_list,
 )
-from qcomm.benchmark.session import EXIT_CODEC_FAILED, launcher_env
-from qcomm.discovery import load_codec
+from qcomm.discovery import available_codecs, load_codec
+from qcomm.errors import CodecError
 from qcomm.specs import parse_codec_spec
-from qcomm.types import CodecError
 
 __all__ = ["add_bench_arguments", "config_from_args", "run_bench"]
+
+#: where examples/train_dlrm.py writes its results by default
+DEFAULT_TRAINING_RESULTS = "out/results.json"
 
 _QUICK: dict[str, Any] = {"budget": 0.02, "codec_bytes": 1 << 20, "max_calls": 20, "rounds": 3}
 
@@ -206,6 +210,28 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "Default: the --link rate, else advice for 1, 10 and 100 Gbit/s",
     )
     parser.add_argument(
+        "--max-error",
+        metavar="E",
+        help="the advice's error budget: the largest RMS error, relative to the data's, a "
+        "recommended codec may have (e.g. 1e-2), or a codec to be as good as (e.g. bf16). "
+        f"Default: {DEFAULT_MAX_ERROR:g}, and no codec whose loss gap in the training "
+        "example's results (--training-results) is significant",
+    )
+    parser.add_argument(
+        "--data-scale",
+        type=_number("--data-scale", float, 1e-30, 1e30),
+        metavar="S",
+        help="the typical magnitude of your data (its standard deviation): the codecs' "
+        "errors are measured on standard normal data times S, since a cast's error depends "
+        "on it (fp16 loses values under 6e-5 to its subnormal range). Default: 1",
+    )
+    parser.add_argument(
+        "--training-results",
+        metavar="PATH",
+        help="the results.json of examples/train_dlrm.py: the advice shows each codec's "
+        f"held-out loss gap from it. Default: {DEFAULT_TRAINING_RESULTS} if it exists",
+    )
+    parser.add_argument(
         "--backward",
         action="store_true",
         help="also time every collective's forward and backward pass together",
@@ -262,6 +288,33 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _advice_config(args: argparse.Namespace, config: BenchConfig) -> None:
+    # The error budget is a number or a codec of the run; the training
+    # example's results are read now, so that a bad file stops the run early.
+    config.data_scale = args.data_scale or 1.0
+    if args.max_error is not None:
+        text = args.max_error.strip()
+        try:
+            number = float(text)
+        except ValueError:
+            known = config.codecs if config.codecs is not None else available_codecs()
+            if text not in [*known, "noop"]:
+                raise ValueError(
+                    f"--max-error: expected a relative RMS error such as 1e-2, or a codec of "
+                    f"the run to be as good as ({', '.join(known)}), got {text!r}"
+                ) from None
+        else:
+            if not 0 < number < math.inf:
+                raise ValueError(f"--max-error: expected a positive number, got {text!r}")
+        config.max_error = text
+    path = args.training_results
+    if path is None and os.path.exists(DEFAULT_TRAINING_RESULTS):
+        path = DEFAULT_TRAINING_RESULTS
+    if path is not None:
+        config.loss_gaps = read_loss_gaps(path)
+        config.training_results = path
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     r"""
     config_from_args(args: argparse.Namespace) -> BenchConfig
@@ -302,7 +355,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     config.chunk_bytes = args.chunk_size
     config.link = args.link
     config.link_gbps = args.link_gbps
+    _advice_config(args, config)
     _train_config(args, config)
+    from qcomm.benchmark.session import launcher_env  # torch: a run needs it anyway
+
     if launcher_env():
         if args.link:
             raise ValueError(
@@ -539,6 +595,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # The measuring machinery loads only for a run: `qcomm list` and
     # `qcomm check` build this command's parser too.
     from qcomm.benchmark.launch import run_distributed, spawn_local
+    from qcomm.benchmark.session import EXIT_CODEC_FAILED, launcher_env
 
     try:
         config = config_from_args(args)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import qcomm
+from qcomm.benchmark.advice import advice_json
 from qcomm.benchmark.candidates import FBGEMM_FORMATS, Candidate, load_candidates, measure_codec
 from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.metrics import (
@@ -40,9 +41,7 @@ from qcomm.benchmark.options import OP_TITLES, BenchConfig, format_size
 from qcomm.benchmark.report import write_report
 from qcomm.benchmark.series import (
     BARE,
-    BenchOp,
     Case,
-    DenseOp,
     Series,
     add_pytorch_ratios,
     all_reduce_series,
@@ -55,7 +54,8 @@ from qcomm.benchmark.series import (
 )
 from qcomm.benchmark.session import EXIT_CODEC_FAILED, Session
 from qcomm.benchmark.timing import calls_for_budget, relative_spread, synchronize, time_calls
-from qcomm.types import CommOp, QuantizedCommCodecs, codec_info
+from qcomm.ops import BenchOp, CommOp, DenseOp
+from qcomm.types import QuantizedCommCodecs, codec_info
 
 __all__ = ["run_rank"]
 
@@ -147,6 +147,8 @@ def _codec_row(
     candidate: Candidate, outcome: _Outcome, n: int, copy_s: float | None
 ) -> dict[str, Any]:
     row: dict[str, Any] = {"codec": candidate.label, "source": candidate.source}
+    # Whether the backend may sum its wire: the reduce-scatter's advice needs it.
+    row["summable"] = codec_info(candidate.codec).summable if candidate.codec is not None else None
     figures, problem = outcome
     if figures is None:
         return {**row, "status": "failed", "error": problem}
@@ -331,7 +333,9 @@ def _measure_codecs(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     n = max(1, config.codec_bytes // 4)
     generator = torch.Generator().manual_seed(config.seed + 1 + session.rank)
-    x = torch.randn(n, generator=generator).to(session.device)
+    # The errors are relative, but a cast's depend on the magnitude (fp16's
+    # range): --data-scale puts the data at the user's.
+    x = (torch.randn(n, generator=generator) * config.data_scale).to(session.device)
     dst = torch.empty_like(x)
     _step(session, progress, "memory copy")
     copy, problem = _agreed(
@@ -377,6 +381,7 @@ def _measure_collectives(
     points = []
     for size in config.sizes:
         base = base_input(size, world_size=session.world_size, dim=config.dim, seed=config.seed)
+        base *= config.data_scale
         for op in config.comm_ops():
             case = make_case(
                 op, base, rank=session.rank, world_size=session.world_size, device=session.device
@@ -425,7 +430,7 @@ def _measure_collectives(
 
 def _unlimited(
     config: BenchConfig, session: Session, series: dict[BenchOp, list[Series]], progress: _Progress
-) -> dict[tuple[str, int, str, str], float]:
+) -> dict[tuple[str, int, str, str], tuple[float, float, float]]:
     # qcomm's series again with the emulated link's rate limit lifted: each
     # call's time when the link is not the limit, which the model of
     # predicted_time needs, measured on the same devices and network stack.
@@ -436,10 +441,15 @@ def _unlimited(
     finally:
         session.set_shaping(True)
     return {
-        (p["op"], p["size_bytes"], p["pass"], p["label"]): p["latency_s"]
+        (p["op"], p["size_bytes"], p["pass"], p["label"]): _spread(p)
         for p in points
         if p["status"] == "ok"
     }
+
+
+def _spread(p: dict[str, Any]) -> tuple[float, float, float]:
+    # A point's median, fastest and slowest round.
+    return p["latency_s"], p["latency_min_s"], p["latency_max_s"]
 
 
 def _torchrec_label(label: str) -> str | None:
@@ -456,7 +466,7 @@ def _add_comparisons(
     codec_rows: list[dict[str, Any]],
     link: dict[str, Any] | None,
     world_size: int,
-    unlimited: dict[tuple[str, int, str, str], float] | None,
+    unlimited: dict[tuple[str, int, str, str], tuple[float, float, float]] | None,
 ) -> None:
     # What each point is worth against the link's bound (the float32 bytes
     # that cross each rank's port, shrunk by the codec's ratio), against
@@ -479,6 +489,7 @@ def _add_comparisons(
         ratio = 1.0 if p["impl"] == "bare" else ratios.get(p["codec"])
         p["compression_ratio"] = ratio
         p.update(link_bound_s=None, x_link_bound=None, link_bytes=None, unlimited_s=None)
+        p.update(unlimited_min_s=None, unlimited_max_s=None)
         p.update(predicted_s=None, measured_over_predicted=None)
         if ratio and world_size > 1:
             # The backward pass sends as much again, the other way round.
@@ -492,7 +503,8 @@ def _add_comparisons(
                 if p["status"] == "ok":
                     p["x_link_bound"] = p["latency_s"] / p["link_bound_s"]
         if p["impl"] == "qcomm" and p["status"] == "ok":
-            p["unlimited_s"] = unlimited.get(key) if unlimited is not None else p["latency_s"]
+            spread = unlimited.get(key) if unlimited is not None else _spread(p)
+            p["unlimited_s"], p["unlimited_min_s"], p["unlimited_max_s"] = spread or (None,) * 3
             if rate and p["unlimited_s"] and p["link_bytes"] is not None:
                 p["predicted_s"] = predicted_time(p["link_bytes"], rate / 8, p["unlimited_s"])
                 p["measured_over_predicted"] = p["latency_s"] / p["predicted_s"]
@@ -646,6 +658,12 @@ def run_rank(config: BenchConfig, session: Session) -> int:
         "collectives": points,
         "unavailable": {"fbgemm": fbgemm_reason, "torchrec": torchrec_reason},
     }
+    results["advice"] = advice_json(
+        results,
+        max_error=config.max_error,
+        loss_gaps=config.loss_gaps,
+        training_results=config.training_results,
+    )
     write_report(results, json_path=config.json_path, plot_path=config.plot_path)
     failed = any(r["status"] != "ok" and r["source"] == "qcomm" for r in codec_rows) or any(
         p["status"] != "ok" and p["impl"] == "qcomm" for p in points
@@ -729,5 +747,6 @@ def _meta(config: BenchConfig, session: Session, started: float, duration: float
         "backward": config.backward,
         "chunk_bytes": config.chunk_bytes,
         "link_gbps": config.link_gbps,
+        "data_scale": config.data_scale,
         "command": config.command,
     }

@@ -7,9 +7,10 @@ bandwidths in bytes per second (the report divides by :data:`GB`).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+if TYPE_CHECKING:  # the formulas are pure; the advice reads them without torch
+    import torch
 
 __all__ = [
     "GB",
@@ -247,6 +248,8 @@ def error_stats(reference: torch.Tensor, approx: torch.Tensor) -> ErrorStats:
         )
     if reference.numel() == 0:
         raise ValueError("reference must not be empty")
+    import torch
+
     x = reference.detach().reshape(-1).to(torch.float64)
     noise = approx.detach().reshape(-1).to(device=x.device, dtype=torch.float64) - x
     scale = x.abs().max().item()

@@ -12,9 +12,9 @@ import math
 import re
 from typing import Any
 
-from qcomm.benchmark.series import BenchOp, DenseOp
+from qcomm.errors import CodecError
+from qcomm.ops import BenchOp, CommOp, DenseOp
 from qcomm.specs import parse_codec_spec, split_codec_specs
-from qcomm.types import CodecError, CommOp
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -277,6 +277,12 @@ class BenchConfig:
         rounds (int): timed rounds of every series at every size.
         command (list[str] | None): the command line that started the run.
         link_gbps (float | None): the user's link in Gbit/s (``--link-gbps``).
+        max_error (str | None): the advice's error budget (``--max-error``):
+            a number or a codec; ``None`` for the default.
+        data_scale (float): the codecs' inputs are standard normal times this.
+        loss_gaps (dict | None): the training example's loss gaps
+            (:func:`~qcomm.benchmark.advice.read_loss_gaps`).
+        training_results (str | None): the file they were read from.
         train (bool): run the training-step benchmark instead (``--train``,
             :mod:`~qcomm.benchmark.train`).
         train_model (str): its model, ``dlrm`` or ``mlp``
@@ -311,6 +317,10 @@ class BenchConfig:
     rounds: int = 5
     command: list[str] | None = None
     link_gbps: float | None = None
+    max_error: str | None = None
+    data_scale: float = 1.0
+    loss_gaps: dict | None = None  # type: ignore[type-arg]
+    training_results: str | None = None
     train: bool = False
     train_model: str = "dlrm"
     train_tables: int = TRAIN_DEFAULTS["tables"]
@@ -351,7 +361,7 @@ class BenchConfig:
         r"""
         comm_ops() -> list[CommOp | DenseOp]
 
-        The collectives of :attr:`ops` as :class:`~qcomm.CommOp` or :class:`~qcomm.benchmark.series.DenseOp` members.
+        The collectives of :attr:`ops` as :class:`~qcomm.CommOp` or :class:`~qcomm.ops.DenseOp` members.
         """
         dense = {op.value: op for op in DenseOp}
         return [dense[op] if op in dense else CommOp.parse(op) for op in self.ops]

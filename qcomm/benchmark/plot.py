@@ -1,7 +1,8 @@
 r"""
 The plot of ``qcomm bench``: which codec pays on which link (the model's
-curves, the points measured), what each costs in error, and what each
-collective moved. Needs matplotlib, imported only when a plot is drawn.
+curves, the points measured, where this CPU rather than the link limits),
+what each costs in error, and what each collective moved. Needs matplotlib,
+imported only when a plot is drawn.
 """
 
 from __future__ import annotations
@@ -9,11 +10,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from qcomm.benchmark.advice import advice_rates, expected_speedups
+from qcomm.benchmark.advice import advice_rates, cpu_limits, expected_speedups
 from qcomm.benchmark.candidates import FBGEMM_FORMATS
 from qcomm.benchmark.options import OP_TITLES, format_size
 
-__all__ = ["write_plot"]
+__all__ = ["draw", "write_plot"]
+
+# Where a label of the error panel may go, in points from its point, nearest
+# first: right, left, then higher and lower rows on either side.
+_SPOTS = [(8 * side, 10 * row) for step in range(9) for row in {step, -step} for side in (1, -1)]
 
 
 def _family(label: str) -> str:
@@ -31,32 +36,58 @@ def _family(label: str) -> str:
 _FBGEMM_FAMILY = {fmt.lower(): name for name, fmt in FBGEMM_FORMATS.items()}
 
 
-def _label_offsets(points: list[tuple[float, float]]) -> list[int]:
-    # Stack the labels of points that (nearly) coincide instead of overprinting.
-    offsets = []
-    for i, (x, y) in enumerate(points):
-        near = sum(1 for (u, v) in points[:i] if abs(u - x) < 1.0 and max(v, y) / min(v, y) < 1.6)
-        offsets.append(near)
-    return offsets
-
-
-def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> dict[str, Any]:
+def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> list[Any]:
     # Expected speed-up against link rate (the model), measured points where
-    # the run had an emulated link, the user's link marked.
+    # the run had an emulated link, the user's link and this CPU's limit
+    # marked. Returns the curves' end labels, to spread once laid out.
     import numpy as np
     from matplotlib.ticker import FuncFormatter
 
-    rates = list(np.logspace(np.log10(0.1), np.log10(400.0), 80))
-    curves = expected_speedups(results, rates)
-    handles: dict[str, Any] = {}
-    if not curves:
+    shown = expected_speedups(results, [1.0])  # which op the panel shows
+    if not shown:
         ax.text(0.5, 0.5, "no model figures in this run", ha="center", transform=ax.transAxes)
-        return handles
-    op = next(iter(curves))
-    for label, values in curves[op].items():
-        (handles[label],) = ax.plot(
-            rates, values, color=color[_family(label)], label=label, linewidth=1.8
-        )
+        return []
+    op = next(iter(shown))
+    # Above this rate the machine's encode, decode and copies, not the link,
+    # set the time: the curves flatten.
+    cpu = cpu_limits(results).get(op)
+    low, high = 0.1, 400.0
+    if cpu:  # the limit on the axis, with room either side
+        low, high = min(low, cpu / 3), max(high, cpu * 3)
+    rates = list(np.logspace(np.log10(low), np.log10(high), 80))
+    ends = []
+    for label, figures in expected_speedups(results, rates)[op].items():
+        # None: noise (more than the codec's bytes allow), left as a gap.
+        values = [math.nan if v is None else v for v in figures]
+        last = [v for v in values if not math.isnan(v)]
+        if not last:
+            continue
+        ax.plot(rates, values, color=color[_family(label)], linewidth=1.8)
+        # Named by its right end (its last figure), in a column right of the
+        # axes; _spread_ends moves it up or down once the layout fixes where
+        # the curves end.
+        ends.append(
+            ax.annotate(
+                label, (rates[-1], last[-1]), xytext=(4, 0), textcoords="offset points",
+                va="center", fontsize=8, color=color[_family(label)], annotation_clip=False,
+            )
+        )  # fmt: skip
+    ax.set_xlim(low, high)  # the curves end on the right spine, by their labels
+
+    def mark(rate: float, text: str, top: bool) -> None:
+        # A vertical line's name, inside the axes on the side with room: at
+        # the top (CPU) or the bottom (link), so the two never meet.
+        right = math.log(rate / low) / math.log(high / low) > 0.6
+        ax.annotate(
+            text, (rate, 0.98 if top else 0.02), xycoords=ax.get_xaxis_transform(),
+            xytext=(-4 if right else 4, 0), textcoords="offset points",
+            ha="right" if right else "left", va="top" if top else "bottom", fontsize=8,
+            bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "alpha": 0.7, "linewidth": 0},
+        )  # fmt: skip
+
+    if cpu:
+        ax.axvline(cpu, color="firebrick", linestyle="-.", linewidth=1.2)
+        mark(cpu, f"this CPU: {cpu:.3g} Gbit/s;\nabove it the CPU,\nnot the link, limits", True)
     link = results.get("link")
     size = max(p["size_bytes"] for p in results["collectives"])
     if link and link.get("rate_bps"):
@@ -73,6 +104,9 @@ def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> d
             ax.scatter(
                 [link["rate_bps"] / 1e9], [p["speedup"]], color=color[_family(p["label"])], s=40
             )
+        if measured:  # one grey dot stands for all: a codec's colour is its curve's
+            ax.scatter([], [], color="grey", s=40, label=f"measured on the {link['spec']} link")
+            ax.legend(loc="best", fontsize=8)
     for rate in advice_rates(results):
         ax.axvline(rate, color="grey", linestyle=":", linewidth=1)
     user = results["meta"].get("link_gbps") or (
@@ -80,11 +114,8 @@ def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> d
     )
     if user:
         ax.axvline(user, color="black", linestyle="--", linewidth=1.2)
-        ax.annotate(
-            f"your link: {user:g} Gbit/s", (user, 1.0), textcoords="offset points",
-            xytext=(4, 6), fontsize=8,
-        )  # fmt: skip
-    ax.axhline(1.0, color="black", linewidth=0.8)
+        mark(user, f"your link: {user:g} Gbit/s", False)
+    ax.axhline(1.0, color="black", linewidth=0.8, zorder=1)  # under noop's curve
     ax.set_xscale("log")
     ax.set_yscale("log")
     plain = FuncFormatter(lambda value, _: f"{value:g}")
@@ -93,121 +124,200 @@ def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> d
     ax.yaxis.set_minor_formatter(plain)
     ax.set_xlabel("link rate, Gbit/s each way (log)")
     ax.set_ylabel("expected speed-up over no codec")
-    dots = " (dots: measured on the emulated link)" if link else ""
     ax.set_title(
-        f"{OP_TITLES.get(op, op)}, {format_size(size)} per rank: "
-        f"which codec pays on which link{dots}",
+        f"{OP_TITLES.get(op, op)}, {format_size(size)} per rank: which codec pays on which link",
         fontsize=10,
     )
     ax.grid(True, which="both", alpha=0.3)
-    return handles
+    return ends
 
 
-def _error_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> None:
+def _spread_ends(ax: Any, labels: list[Any], renderer: Any) -> None:
+    # Greedy, in display space (where the log scale is already applied): from
+    # the lowest curve end up, each label at least a label's height above the
+    # one below; then from the top down, so that none leaves the axes' top.
+    if not labels:
+        return
+    ends = [ax.transData.transform(label.xy)[1] for label in labels]
+    step = max(label.get_window_extent(renderer).height for label in labels) + 1.0
+    order = sorted(range(len(labels)), key=lambda i: ends[i])
+    ys = [ends[i] for i in order]
+    for k in range(1, len(ys)):
+        ys[k] = max(ys[k], ys[k - 1] + step)
+    ys[-1] = min(ys[-1], ax.bbox.y1 - step / 2)
+    for k in range(len(ys) - 2, -1, -1):
+        ys[k] = min(ys[k], ys[k + 1] - step)
+    points_per_pixel = 72 / ax.figure.dpi  # offsets in points survive savefig's dpi
+    for i, y in zip(order, ys):
+        labels[i].set_position((4, (y - ends[i]) * points_per_pixel))
+
+
+def _error_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> list[Any]:
+    # Returns the points' labels, placed by _place_labels once laid out.
     shown = [
         r for r in results["codecs"] if r["status"] == "ok" and r.get("rms_rel_error")
     ]  # an exact codec has no place on a log scale
     xy = [(r["bits_per_element"], r["rms_rel_error"]) for r in shown]
-    for r, (x, y), stacked in zip(shown, xy, _label_offsets(xy)):
+    labels = []
+    for r, (x, y) in zip(shown, xy):
         fbgemm = r["source"] == "fbgemm"
         ax.scatter(
             x, y, marker="x" if fbgemm else "o", s=60, color=color[_family(r["codec"])], zorder=3
         )
-        ax.annotate(
-            r["codec"],
-            (x, y),
-            textcoords="offset points",
-            xytext=(10, 6 - 12 * stacked),
-            fontsize=8,
-        )
+        labels.append(
+            ax.annotate(
+                r["codec"], (x, y), textcoords="offset points", xytext=_SPOTS[0],
+                va="center", fontsize=8,
+            )
+        )  # fmt: skip
     ax.set_yscale("log")
     if xy:  # room for the labels around the lowest and highest points
-        ax.set_ylim(min(y for _, y in xy) / 3, max(y for _, y in xy) * 2)
+        ax.set_ylim(min(y for _, y in xy) / 3, max(y for _, y in xy) * 3)
     ax.set_xlim(left=0, right=max([x for x, _ in xy], default=32) + 6)
     ax.set_xlabel("wire bits per element (measured, scales included)")
     ax.set_ylabel("RMS relative error against float32")
     ax.set_title("what it costs: error against size on the wire (o qcomm, x fbgemm)", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
+    return labels
 
 
-def write_plot(results: dict[str, Any], path: str) -> None:
-    # Speed-up against link rate, error against wire bits, and bus bandwidth
-    # against size (a format in one colour, TorchRec dashed, bare dotted).
-    # Needs matplotlib.
-    import matplotlib
+def _place_labels(ax: Any, labels: list[Any], renderer: Any) -> None:
+    # Each label takes the first of _SPOTS where it stays inside the axes and
+    # covers no label placed before it and no point's marker (points of one
+    # format, qcomm's and fbgemm's, often coincide). Where none is free it
+    # keeps the first spot.
+    pixels = ax.figure.dpi / 72
+    markers = []
+    for label in labels:
+        x, y = ax.transData.transform(label.xy)
+        markers.append((x - 5 * pixels, y - 5 * pixels, x + 5 * pixels, y + 5 * pixels))
+    taken: list[tuple[float, float, float, float]] = []
+    frame = ax.bbox
+    for label in labels:
+        for dx, dy in [*_SPOTS, _SPOTS[0]]:
+            label.set_position((dx, dy))
+            label.set_horizontalalignment("left" if dx > 0 else "right")
+            box = label.get_window_extent(renderer)
+            edges = (box.x0 - 1, box.y0 - 1, box.x1 + 1, box.y1 + 1)
+            inside = frame.x0 <= edges[0] and edges[2] <= frame.x1
+            inside = inside and frame.y0 <= edges[1] and edges[3] <= frame.y1
+            if inside and not any(_overlap(edges, other) for other in taken + markers):
+                break
+        taken.append(edges)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator
+
+def _overlap(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _bandwidth_panel(
+    ax: Any, results: dict[str, Any], op: str, color: dict[str, Any], handles: dict[str, Any]
+) -> None:
+    # Bus bandwidth against size: a format in one colour, TorchRec dashed,
+    # bare dotted. Adds each series' line to handles, for the row's legend.
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
     points = [p for p in results["collectives"] if p["status"] == "ok" and p["pass"] == "fwd"]
+    sizes = sorted({p["size_bytes"] for p in results["collectives"]})
+    for label in dict.fromkeys(p["label"] for p in results["collectives"]):
+        line = sorted(
+            (p["size_bytes"], p["busbw_GBps"])
+            for p in points
+            if p["op"] == op and p["label"] == label
+        )
+        if not line:
+            continue
+        torchrec = label.startswith("torchrec")
+        bare = label.startswith("bare:")
+        (handle,) = ax.plot(
+            [s for s, _ in line],
+            [b for _, b in line],
+            marker="x" if torchrec else "." if bare else "o",
+            linestyle="--" if torchrec else ":" if bare else "-",
+            color=color[_family(label)],
+            linewidth=1.6,
+            markersize=5,
+        )
+        handles.setdefault(label, handle)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [format_size(s) for s in sizes])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("message size per rank (float32 bytes)")
+    ax.set_ylabel("bus bandwidth, GB/s of float32")
+    meta = results["meta"]
+    where = f"{results['link']['spec']} link" if results.get("link") else meta["backend"]
+    ax.set_title(f"{OP_TITLES.get(op, op)}, {meta['world_size']} ranks, {where}", fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def draw(results: dict[str, Any]) -> Any:
+    r"""
+    draw(results: dict[str, Any]) -> matplotlib.figure.Figure
+
+    The bench's figure: expected speed-up against link rate and error against
+    wire bits on the first row, one bus-bandwidth panel per collective on the
+    second. Needs matplotlib.
+
+    Args:
+        results (dict[str, Any]): the run's JSON content.
+    """
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     ops = list(dict.fromkeys(p["op"] for p in results["collectives"]))
     labels = list(dict.fromkeys(p["label"] for p in results["collectives"]))
     families = list(
         dict.fromkeys(_family(name) for name in [*(r["codec"] for r in results["codecs"]), *labels])
     )
-    palette = [plt.get_cmap("tab10")(i) for i in range(10)] + [
-        plt.get_cmap("Dark2")(i) for i in range(8)
-    ]
+    palette = [colormaps["tab10"](i) for i in range(10)] + [colormaps["Dark2"](i) for i in range(8)]
     color = {name: palette[i % len(palette)] for i, name in enumerate(families)}
-    panels = 2 + len(ops)
-    cols = 2
-    rows = math.ceil(panels / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.8 * rows + 1.2), squeeze=False)
-    flat = list(axes.flat)
-    handles = _speedup_panel(flat[0], results, color)
-    _error_panel(flat[1], results, color)
-    sizes = sorted({p["size_bytes"] for p in results["collectives"]})
-    meta = results["meta"]
-    plain = FuncFormatter(lambda value, _: f"{value:g}")
-    for ax, op in zip(flat[2:], ops):
-        for label in labels:
-            line = sorted(
-                (p["size_bytes"], p["busbw_GBps"])
-                for p in points
-                if p["op"] == op and p["label"] == label
-            )
-            if not line:
-                continue
-            torchrec = label.startswith("torchrec")
-            bare = label.startswith("bare:")
-            (handle,) = ax.plot(
-                [s for s, _ in line],
-                [b for _, b in line],
-                marker="x" if torchrec else "." if bare else "o",
-                linestyle="--" if torchrec else ":" if bare else "-",
-                color=color[_family(label)],
-                label=label,
-                linewidth=1.6,
-                markersize=5,
-            )
-            handles.setdefault(label, handle)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(sizes, [format_size(s) for s in sizes])
-        ax.xaxis.set_minor_locator(plt.NullLocator())
-        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plt.NullFormatter())
-        ax.set_xlabel("message size per rank (float32 bytes)")
-        ax.set_ylabel("bus bandwidth, GB/s of float32")
-        where = f"{results['link']['spec']} link" if results.get("link") else meta["backend"]
-        ax.set_title(f"{OP_TITLES.get(op, op)}, {meta['world_size']} ranks, {where}", fontsize=10)
-        ax.grid(True, which="major", alpha=0.3)
-    for extra in flat[panels:]:
-        extra.set_visible(False)
+    # Two rows, each laid out on its own (subfigures), so any number of
+    # collectives fills the second row's width and no slot stays empty.
+    fig = Figure(figsize=(max(15.0, 4.8 * len(ops)), 11.0 if ops else 5.5), layout="constrained")
+    canvas: Any = FigureCanvasAgg(fig)  # measures the labels below, and saves the PNG
+    rows: Any = fig.subfigures(2, 1, height_ratios=(1.0, 1.2)) if ops else (fig, None)
+    top, bottom = rows
+    speedup_ax, error_ax = top.subplots(1, 2)
+    ends = _speedup_panel(speedup_ax, results, color)
+    points = _error_panel(error_ax, results, color)
+    if bottom is not None:
+        handles: dict[str, Any] = {}
+        for ax, op in zip(bottom.subplots(1, len(ops), squeeze=False)[0], ops):
+            _bandwidth_panel(ax, results, op, color, handles)
+        bottom.legend(
+            list(handles.values()), list(handles), loc="outside lower center",
+            ncol=min(9, max(1, len(handles))), fontsize=8, frameon=False,
+            title="bus-bandwidth panels: qcomm solid, TorchRec dashed, bare dotted",
+            title_fontsize=8,
+        )  # fmt: skip
     fig.suptitle(
-        f"qcomm bench, {meta['started']}: which codec on which link, what it costs, "
+        f"qcomm bench, {results['meta']['started']}: which codec on which link, what it costs, "
         "and what each collective moved in this run"
     )
-    fig.legend(
-        list(handles.values()),
-        list(handles),
-        loc="lower center",
-        ncol=min(7, max(1, len(handles))),
-        fontsize=8,
-        frameon=False,
-    )
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    # The labels go where they do not overlap only once the layout is
+    # final: lay out (the end labels, still at their curves, get their
+    # room on the right), freeze it, then move them.
+    fig.draw_without_rendering()
+    fig.set_layout_engine("none")
+    renderer = canvas.get_renderer()
+    _spread_ends(speedup_ax, ends, renderer)
+    _place_labels(error_ax, points, renderer)
+    return fig
+
+
+def write_plot(results: dict[str, Any], path: str) -> None:
+    r"""
+    write_plot(results: dict[str, Any], path: str) -> None
+
+    Draws the bench's figure (:func:`draw`) into a PNG file.
+
+    Args:
+        results (dict[str, Any]): the run's JSON content.
+        path (str): the PNG file to write.
+    """
+    draw(results).savefig(path, dpi=110)

@@ -13,7 +13,7 @@ import tempfile
 from typing import Any
 
 from qcomm._table import format_table
-from qcomm.benchmark.advice import advice_rates, advise, expected_speedups, registry_string
+from qcomm.benchmark.advice import advice_json, is_noise, speedups
 from qcomm.benchmark.options import OP_TITLES, format_size
 from qcomm.benchmark.plot import write_plot
 
@@ -65,6 +65,16 @@ UNITS = {
     "format / latency_s",
     "link.*_GBps": "float32 bytes per second the emulated link carried between ranks 0 and 1, "
     "one way, and each way when both send at once, 1e9 bytes/s",
+    "unlimited_min_s, unlimited_max_s": "fastest and slowest round with no link limit",
+    "summable": "the codec declares that the backend may sum its wire (CodecInfo.summable)",
+    "meta.data_scale": "the codecs' and collectives' inputs are standard normal times this",
+    "advice": "the answer: the error budget (max_rms_error), and per link rate (gbit_per_s) "
+    "the registry string and per collective the pair, its spec, its expected speed-ups "
+    "(forward and backward together, and forward) and forward errors, whether the speed-ups "
+    "were measured on that link in this run or predicted by the model, the faster codecs the "
+    "budget left out, those as fast within the run's spread with more error (close), those "
+    "whose figure exceeded their compression ratio (noise), and the training example's "
+    "held-out loss gap (loss_gap)",
 }
 
 
@@ -193,13 +203,23 @@ def _collective_tables(results: dict[str, Any], passes: str) -> list[str]:
                 elif p["status"] != "ok":
                     row.append("failed")
                 else:
-                    speedup = "-" if p["speedup"] is None else f"{p['speedup']:.2f}"
-                    row.append(f"{_num(p['busbw_GBps'])} x{speedup}")
+                    row.append(f"{_num(p['busbw_GBps'])} {_speedup(p)}")
             rows.append(row)
         title = OP_TITLES.get(op, op) + ("" if passes == "fwd" else ", forward+backward")
         header = [title, *[format_size(s) for s in sizes]]
         tables.append(format_table(header, rows, text_columns=1))
     return tables
+
+
+def _speedup(p: dict[str, Any]) -> str:
+    # A codec's speed-up over the no-op codec (or TorchRec's over TorchRec
+    # without codec) above its compression ratio is noise; the bare series
+    # compare transports, which no ratio bounds.
+    if p["speedup"] is None:
+        return "-"
+    if p["impl"] != "bare" and is_noise(p["speedup"], p.get("compression_ratio")):
+        return "noise"
+    return f"x{p['speedup']:.2f}"
 
 
 def _ms(seconds: float | None) -> str:
@@ -238,7 +258,7 @@ def _detail_tables(results: dict[str, Any]) -> list[str]:
                 p["pass"],
                 _ms(p["latency_s"]),
                 f"{_ms(p['latency_min_s'])}-{_ms(p['latency_max_s'])}",
-                "-" if p["speedup"] is None else f"x{p['speedup']:.2f}",
+                _speedup(p),
                 _num(p.get("compression_ratio")),
             ]
             if linked:
@@ -291,35 +311,82 @@ def _gbit(value: float | None) -> str:
     return "never" if value == 0 else _num(value)
 
 
+def _gap_text(gap: dict[str, Any] | None) -> str:
+    if not gap:
+        return ""
+    half = gap.get("ci95")
+    interval = (
+        f" [{gap['held_out_gap'] - half:+.4f}, {gap['held_out_gap'] + half:+.4f}]"
+        if half is not None
+        else ""
+    )
+    significant = "significant" if gap["significant"] else "not significant"
+    return (
+        f"; training loss gap {gap['held_out_gap']:+.4f}{interval}, {significant} "
+        f"(training example, {gap['config']})"
+    )
+
+
 def _advice(results: dict[str, Any]) -> list[str]:
-    rates = advice_rates(results)
-    speedups = expected_speedups(results, rates)
-    if not speedups:
+    advice = results.get("advice") or advice_json(results)
+    if not any(rate["collectives"] for rate in advice["rates"]):
         return []
     real = results["meta"].get("local") is False
-    where = "on this cluster's link" if real else "expected on a link of"
-    lines = ["Advice (qcomm's codecs; from this run's figures, see docs/bench.rst):"]
-    for rate in rates:
-        advice = advise(results, rate)
-        if not advice:
+    lines = [
+        f"Advice (qcomm's codecs; {advice['budget']}; from this run's figures, see docs/bench.rst):"
+    ]
+    if advice.get("training_results"):
+        lines.append(f"  (training loss gaps from {advice['training_results']})")
+    for rate in advice["rates"]:
+        chosen = rate["collectives"]
+        if not chosen:
             continue
-        head = f"  {where}" if real else f"  {where} {rate:g} Gbit/s each way"
-        lines.append(head + ":")
-        for a in advice:
+        gbit = rate["gbit_per_s"]
+        if real:
+            lines.append("  on this cluster's link (measured in this run):")
+        elif chosen[0]["measured"]:
+            lines.append(f"  on the emulated {gbit:g} Gbit/s link (measured in this run):")
+        else:
             lines.append(
-                f"    {OP_TITLES.get(a.op, a.op)}: {a.pair}, x{a.speedup:.2f} forward and "
-                f"backward (forward x{a.forward_speedup:.2f}); forward error max "
-                f"{_num(a.max_rel_error, 2)}, RMS {_num(a.rms_rel_error, 2)} of the data's scale"
+                f"  expected on a link of {gbit:g} Gbit/s each way (the model's prediction):"
             )
-        spec = registry_string(advice)
+        for a in chosen:
+            lines.append(
+                f"    {OP_TITLES.get(a['op'], a['op'])}: {a['pair']}, x{a['speedup']:.2f} forward "
+                f"and backward (forward x{a['forward_speedup']:.2f}); forward error RMS "
+                f"{_num(a['rms_rel_error'], 2)}, max {_num(a['max_rel_error'], 2)} of the data's "
+                f"scale{_gap_text(a['loss_gap'])}"
+            )
+            if a["left_out"]:
+                lines.append(f"      left out by the error budget: {', '.join(a['left_out'])}")
+            if a["close"]:
+                lines.append(
+                    f"      faster, but not by more than this run's spread between rounds "
+                    f"(x{a['spread']:.2f}) and with more error: {', '.join(a['close'])}"
+                )
+            if a["noise"]:
+                lines.append(
+                    f"      not used, their figures exceed what their bytes allow (noise): "
+                    f"{', '.join(a['noise'])}"
+                )
+        spec = rate["registry"]
         lines.append(f"    QCOMM_CODECS='{spec}'  or  qcomm.build_registry(\"{spec}\")")
         if real:
             break
-    op = next(iter(speedups))
-    header = ["codec", *[f"{r:g} Gbit/s" for r in rates]]
-    table = [[label, *[f"x{v:.2f}" for v in values]] for label, values in speedups[op].items()]
+    rates = [rate["gbit_per_s"] for rate in advice["rates"]]
+    figures = [speedups(results, gbit) for gbit in rates]
+    op = next((op for op in figures[0] if all(op in f for f in figures)), None)
+    if op is None or real:
+        return lines
+    header = ["codec", *[f"{gbit:g} Gbit/s" for gbit in rates]]
+    table = [
+        [label, *["noise" if f[op][label].noise else f"x{f[op][label].value:.2f}" for f in figures]]
+        for label in figures[0][op]
+    ]
+    how = "measured" if figures[0][op]["noop"].measured else "expected"
     lines += [
-        f"  Expected speed-up over noop, {OP_TITLES.get(op, op)} (the plot has every rate):",
+        f"  Speed-up over noop, {OP_TITLES.get(op, op)}, {how} ('noise': above the codec's "
+        f"compression ratio; the plot has every rate):",
         "  " + format_table(header, table, text_columns=1).replace("\n", "\n  "),
     ]
     return lines
@@ -408,7 +475,8 @@ def format_report(results: dict[str, Any]) -> str:
         "Collectives: bus bandwidth in GB/s of float32 (nccl-tests' busbw) and speed-up "
         "over the no-op codec (TorchRec: over TorchRec without codec; bare: over p2p); "
         "times are the median round, with the fastest and slowest; "
-        "'ratio' is the codec's compression ratio, the speed-up the wire alone would give; "
+        "'ratio' is the codec's compression ratio, the speed-up the wire alone would give "
+        "('noise' where a measured speed-up exceeds it by over 5%: the run's noise, not used); "
         "'x bound' is the time over the link's bound for that many wire bytes; "
         "'unlimited' is the time with no link limit (loopback, or the emulated link with its "
         "rate limit lifted), 'predicted' the model's time at the link's rate (see docs/bench.rst), "

@@ -12,7 +12,6 @@ ranks, yet every rank knows the exact float32 output to check against.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -20,13 +19,13 @@ from typing import Any
 import torch
 
 from qcomm.benchmark.candidates import Candidate
-from qcomm.types import CommOp, QuantizedCommCodecs
+from qcomm.ops import BenchOp, CommOp, DenseOp
+from qcomm.types import QuantizedCommCodecs
 
 __all__ = [
     "BARE",
     "PYTORCH_HOOKS",
     "Case",
-    "DenseOp",
     "Series",
     "add_pytorch_ratios",
     "all_reduce_series",
@@ -37,16 +36,6 @@ __all__ = [
     "run_series",
     "torchrec_all_to_all",
 ]
-
-
-class DenseOp(enum.Enum):
-    r"""The collectives of dense gradients, measured beside :class:`~qcomm.CommOp`."""
-
-    ALL_REDUCE = "all_reduce"
-
-
-#: a collective ``qcomm bench`` measures
-BenchOp = CommOp | DenseOp
 
 
 @dataclasses.dataclass
