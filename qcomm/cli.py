@@ -167,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qcomm", description=__doc__.strip().splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p_list = sub.add_parser("list", help="list the codecs installed (imports nothing)")
+    p_list = sub.add_parser(
+        "list", help="list the codecs installed (imports no codec, and no torch)"
+    )
     p_list.add_argument(
         "--details", action="store_true", help="import each codec and show what it declares"
     )

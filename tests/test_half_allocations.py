@@ -3,7 +3,7 @@ What ``fp16`` and ``bf16`` allocate: ``encode`` of float32 input allocates its
 wire and nothing else (no float32 temporary, which fbgemm's clamp-then-cast
 makes), ``decode`` its output, ``decode_into`` nothing; and a large wire or
 output is a buffer advised for huge pages, whose page faults would otherwise
-cost more than the cast (measured in microbench/bench_codecs.py, never
+cost more than the cast (measured in bench/bench_codecs.py, never
 asserted here). Allocations are counted by torch's profiler.
 """
 

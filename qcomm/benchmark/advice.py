@@ -23,7 +23,7 @@ import json
 import math
 from typing import Any
 
-from qcomm.benchmark.metrics import predicted_time
+from qcomm.benchmark.metrics import predicted_time, relative_spread
 from qcomm.errors import CodecError
 from qcomm.ops import CommOp
 from qcomm.specs import parse_registry_string
@@ -185,18 +185,16 @@ def _measured_at(results: dict[str, Any], gbit_per_s: float) -> bool:
     return rate is not None and math.isclose(rate / 1e9, gbit_per_s, rel_tol=1e-6)
 
 
-def _times(p: dict[str, Any], gbit_per_s: float, measured: bool) -> tuple[float, ...] | None:
-    # (median, fastest, slowest) seconds of a call on the link.
+def _times(p: dict[str, Any], gbit_per_s: float, measured: bool) -> list[float] | None:
+    # Seconds of a call on the link: the median round first, then every round.
     if measured:
-        return p["latency_s"], p.get("latency_min_s", p["latency_s"]), p.get(
-            "latency_max_s", p["latency_s"]
-        )  # fmt: skip
+        return [p["latency_s"], *p.get("samples_s", [])]
     cpu = p.get("unlimited_s")
     if not cpu or p.get("link_bytes") is None:
         return None
     rate = gbit_per_s * 1e9 / 8
-    spread = (cpu, p.get("unlimited_min_s") or cpu, p.get("unlimited_max_s") or cpu)
-    return tuple(predicted_time(p["link_bytes"], rate, s) for s in spread)
+    rounds = p.get("unlimited_samples_s") or []
+    return [predicted_time(p["link_bytes"], rate, s) for s in (cpu, *rounds)]
 
 
 def speedups(results: dict[str, Any], gbit_per_s: float) -> dict[str, dict[str, Speedup]]:
@@ -232,28 +230,28 @@ def run_spread(results: dict[str, Any], gbit_per_s: float) -> float:
     r"""
     run_spread(results: dict[str, Any], gbit_per_s: float) -> float
 
-    How far apart this run's repetitions fall at a link rate: the slowest
-    round's time over the fastest's (measured, or predicted from the times
-    without a link limit) that nine in ten of the qcomm series the advice
-    weighs stay within. Speed-ups that differ by less are not told apart: on
-    a busy machine the medians of a few rounds move by that much from run
-    to run.
+    How far this run's rounds disagree at a link rate, as a factor: one plus
+    the spread (interquartile range over median of the rounds, measured or
+    predicted from the times without a link limit) that nine in ten of the
+    qcomm series the advice weighs stay within. Speed-ups closer than this
+    factor are not told apart: on a busy machine the medians of a few rounds
+    move by that much from run to run.
 
     Args:
         results (dict[str, Any]): the run's JSON content.
         gbit_per_s (float): the link's rate in Gbit/s each way.
     """
     measured = _measured_at(results, gbit_per_s)
-    ranges = []
+    spreads = []
     for points in _largest_forward(results).values():
         for p in points.values():
             times = _times(p, gbit_per_s, measured)
-            if times is not None and times[1] > 0:
-                ranges.append(times[2] / times[1])
-    if not ranges:
+            if times is not None:
+                spreads.append(relative_spread(times[1:]))
+    if not spreads:
         return 1.0
-    ranges.sort()
-    return ranges[math.ceil(0.9 * len(ranges)) - 1]
+    spreads.sort()
+    return 1.0 + spreads[math.ceil(0.9 * len(spreads)) - 1]
 
 
 def cpu_limits(results: dict[str, Any]) -> dict[str, float]:

@@ -43,7 +43,7 @@ __all__ = ["add_bench_arguments", "config_from_args", "run_bench"]
 #: where examples/train_dlrm.py writes its results by default
 DEFAULT_TRAINING_RESULTS = "out/results.json"
 
-_QUICK: dict[str, Any] = {"budget": 0.02, "codec_bytes": 1 << 20, "max_calls": 20, "rounds": 3}
+_QUICK: dict[str, Any] = {"budget": 0.02, "codec_bytes": 1 << 20, "max_calls": 20, "rounds": 5}
 
 
 def _link_rate(text: str) -> str:
@@ -198,7 +198,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RATE",
         help="run the local ranks over an emulated link of this rate in each direction "
         "(e.g. 1gbit, 10gbit, 100mbit): a network namespace per rank, veth devices "
-        "shaped with tc; needs root. The report gives the link's measured throughput and "
+        "shaped with tc; needs root or CAP_NET_ADMIN and CAP_SYS_ADMIN. The report gives the link's measured throughput and "
         "each collective's time against the link's bound",
     )
     parser.add_argument(
@@ -241,7 +241,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=_number("--rounds", int, 1, 1000),
         metavar="N",
         help="timed rounds per collective and size; the series take turns within each "
-        "round, and the median round is reported with the spread. Default: 5 (--quick: 3)",
+        "round, and the median round is reported with the spread. Default: 5",
     )
     parser.add_argument(
         "--chunk-size",

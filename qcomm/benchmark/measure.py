@@ -36,6 +36,7 @@ from qcomm.benchmark.metrics import (
     collective_break_even,
     error_stats,
     predicted_time,
+    relative_spread,
 )
 from qcomm.benchmark.options import OP_TITLES, BenchConfig, format_size
 from qcomm.benchmark.report import write_report
@@ -53,7 +54,7 @@ from qcomm.benchmark.series import (
     torchrec_all_to_all,
 )
 from qcomm.benchmark.session import EXIT_CODEC_FAILED, Session
-from qcomm.benchmark.timing import calls_for_budget, relative_spread, synchronize, time_calls
+from qcomm.benchmark.timing import calls_for_budget, synchronize, time_calls
 from qcomm.ops import BenchOp, CommOp, DenseOp
 from qcomm.types import QuantizedCommCodecs, codec_info
 
@@ -430,7 +431,7 @@ def _measure_collectives(
 
 def _unlimited(
     config: BenchConfig, session: Session, series: dict[BenchOp, list[Series]], progress: _Progress
-) -> dict[tuple[str, int, str, str], tuple[float, float, float]]:
+) -> dict[tuple[str, int, str, str], tuple[float, list[float]]]:
     # qcomm's series again with the emulated link's rate limit lifted: each
     # call's time when the link is not the limit, which the model of
     # predicted_time needs, measured on the same devices and network stack.
@@ -447,9 +448,9 @@ def _unlimited(
     }
 
 
-def _spread(p: dict[str, Any]) -> tuple[float, float, float]:
-    # A point's median, fastest and slowest round.
-    return p["latency_s"], p["latency_min_s"], p["latency_max_s"]
+def _spread(p: dict[str, Any]) -> tuple[float, list[float]]:
+    # A point's median round, and every round.
+    return p["latency_s"], list(p["samples_s"])
 
 
 def _torchrec_label(label: str) -> str | None:
@@ -466,7 +467,7 @@ def _add_comparisons(
     codec_rows: list[dict[str, Any]],
     link: dict[str, Any] | None,
     world_size: int,
-    unlimited: dict[tuple[str, int, str, str], tuple[float, float, float]] | None,
+    unlimited: dict[tuple[str, int, str, str], tuple[float, list[float]]] | None,
 ) -> None:
     # What each point is worth against the link's bound (the float32 bytes
     # that cross each rank's port, shrunk by the codec's ratio), against
@@ -489,7 +490,7 @@ def _add_comparisons(
         ratio = 1.0 if p["impl"] == "bare" else ratios.get(p["codec"])
         p["compression_ratio"] = ratio
         p.update(link_bound_s=None, x_link_bound=None, link_bytes=None, unlimited_s=None)
-        p.update(unlimited_min_s=None, unlimited_max_s=None)
+        p.update(unlimited_samples_s=None)
         p.update(predicted_s=None, measured_over_predicted=None)
         if ratio and world_size > 1:
             # The backward pass sends as much again, the other way round.
@@ -504,7 +505,7 @@ def _add_comparisons(
                     p["x_link_bound"] = p["latency_s"] / p["link_bound_s"]
         if p["impl"] == "qcomm" and p["status"] == "ok":
             spread = unlimited.get(key) if unlimited is not None else _spread(p)
-            p["unlimited_s"], p["unlimited_min_s"], p["unlimited_max_s"] = spread or (None,) * 3
+            p["unlimited_s"], p["unlimited_samples_s"] = spread or (None, None)
             if rate and p["unlimited_s"] and p["link_bytes"] is not None:
                 p["predicted_s"] = predicted_time(p["link_bytes"], rate / 8, p["unlimited_s"])
                 p["measured_over_predicted"] = p["latency_s"] / p["predicted_s"]

@@ -7,6 +7,7 @@ bandwidths in bytes per second (the report divides by :data:`GB`).
 from __future__ import annotations
 
 import math
+import statistics
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # the formulas are pure; the advice reads them without torch
@@ -22,6 +23,7 @@ __all__ = [
     "break_even_bandwidth",
     "bus_bandwidth",
     "error_stats",
+    "relative_spread",
     "sqnr_db",
 ]
 
@@ -262,3 +264,25 @@ def error_stats(reference: torch.Tensor, approx: torch.Tensor) -> ErrorStats:
     else:
         rms_rel = 0.0 if noise_energy == 0 else math.inf
     return ErrorStats(max_rel, rms_rel, sqnr_db(signal_energy, noise_energy))
+
+
+def relative_spread(samples: list[float]) -> float:
+    r"""
+    relative_spread(samples: list[float]) -> float
+
+    How much repeated timings disagree: the interquartile range over the
+    median (0.2: the middle half spans 20% of the median).
+
+    Args:
+        samples (list[float]): timings; fewer than 2 give 0.
+
+    Examples::
+
+        >>> relative_spread([1.0, 1.0, 1.0]), relative_spread([1.0, 2.0, 3.0])
+        (0.0, 0.5)
+    """
+    if len(samples) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    median = statistics.median(samples)
+    return (q3 - q1) / median if median > 0 else 0.0

@@ -65,7 +65,7 @@ UNITS = {
     "format / latency_s",
     "link.*_GBps": "float32 bytes per second the emulated link carried between ranks 0 and 1, "
     "one way, and each way when both send at once, 1e9 bytes/s",
-    "unlimited_min_s, unlimited_max_s": "fastest and slowest round with no link limit",
+    "unlimited_samples_s": "seconds per call of each round with no link limit",
     "summable": "the codec declares that the backend may sum its wire (CodecInfo.summable)",
     "meta.data_scale": "the codecs' and collectives' inputs are standard normal times this",
     "advice": "the answer: the error budget (max_rms_error), and per link rate (gbit_per_s) "

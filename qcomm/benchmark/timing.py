@@ -17,7 +17,6 @@ import torch
 __all__ = [
     "MIN_SAMPLE_S",
     "calls_for_budget",
-    "relative_spread",
     "synchronize",
     "time_calls",
     "time_samples",
@@ -138,25 +137,3 @@ def time_calls(
     """
     samples = time_samples(fn, device, budget=budget, min_calls=min_calls, max_calls=max_calls)
     return statistics.median(samples)
-
-
-def relative_spread(samples: list[float]) -> float:
-    r"""
-    relative_spread(samples: list[float]) -> float
-
-    How much repeated timings disagree: the interquartile range over the
-    median (0.2: the middle half spans 20% of the median).
-
-    Args:
-        samples (list[float]): timings; fewer than 2 give 0.
-
-    Examples::
-
-        >>> relative_spread([1.0, 1.0, 1.0]), relative_spread([1.0, 2.0, 3.0])
-        (0.0, 0.5)
-    """
-    if len(samples) < 2:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    median = statistics.median(samples)
-    return (q3 - q1) / median if median > 0 else 0.0

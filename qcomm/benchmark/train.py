@@ -41,11 +41,12 @@ from qcomm.benchmark.measure import (
     _step,
     run_meta,
 )
+from qcomm.benchmark.metrics import relative_spread
 from qcomm.benchmark.options import TRAIN_ROWS as ROWS
 from qcomm.benchmark.options import TRAIN_WARM_UP_STEPS, BenchConfig
 from qcomm.benchmark.report import write_report
 from qcomm.benchmark.session import EXIT_CODEC_FAILED, Session
-from qcomm.benchmark.timing import relative_spread, synchronize
+from qcomm.benchmark.timing import synchronize
 from qcomm.types import CommOp
 
 __all__ = [

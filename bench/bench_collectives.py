@@ -2,7 +2,7 @@
 
 Run::
 
-    pytest microbench/bench_collectives.py --benchmark-only -s
+    pytest bench/bench_collectives.py --benchmark-only -s
 
 Two gloo ranks stay up for the whole benchmark and take commands from this
 process. Each round runs, one after the other on both ranks, the bare

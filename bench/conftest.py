@@ -3,7 +3,7 @@ pytest setup of the micro-benchmarks (pytest-benchmark timings of single
 calls): collects ``bench_*.py`` files and prints the codec speed ratios
 (qcomm against fbgemm-gpu, same run) after pytest-benchmark's tables.
 
-Run: ``pytest microbench/ --benchmark-only``.
+Run: ``pytest bench/ --benchmark-only``.
 """
 
 from __future__ import annotations

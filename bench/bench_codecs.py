@@ -4,7 +4,7 @@ each beside fbgemm-gpu's ``QuantizedCommCodec`` of the same format on the
 same input, measured in the same run. The summary at the end prints the
 speed-ups (fbgemm time / qcomm time) against the targets of issue 3.
 
-Run: ``pytest microbench/bench_codecs.py --benchmark-only``.
+Run: ``pytest bench/bench_codecs.py --benchmark-only``.
 """
 
 from __future__ import annotations
