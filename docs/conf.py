@@ -47,7 +47,9 @@ nitpicky = True
 # No intersphinx: the build runs without network, so the inventories of
 # Python, torch and TorchRec cannot be fetched. Sphinx resolves builtins and
 # typing names itself; types of those projects are left as plain text.
-_EXTERNAL = "|".join(sorted(sys.stdlib_module_names | {"torch", "torchrec", "fbgemm_gpu", "matplotlib"}))
+_EXTERNAL = "|".join(
+    sorted(sys.stdlib_module_names | {"torch", "torchrec", "fbgemm_gpu", "matplotlib"})
+)
 nitpick_ignore_regex = [(r"py:(class|obj|exc|data)", rf"({_EXTERNAL})\..+")]
 nitpick_ignore = [
     # Google-style "(Type, optional)": the py domain reads "optional" as a type.
