@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 
@@ -32,7 +34,7 @@ SUMMABLE = {"noop", "fp16", "bf16"}
 
 
 def _results(
-    times: dict[str, dict[str, float | tuple[float, float, float]]],
+    times: Mapping[str, Mapping[str, float | tuple[float, float, float]]],
     *,
     local: bool = True,
     link_gbps: float | None = None,
@@ -42,9 +44,9 @@ def _results(
     # time is a median, or (median, fastest, slowest). With link_gbps the
     # times were measured on an emulated link of that rate.
     errors = {**RMS, **(rms or {})}
-    points = []
-    for op, codecs in times.items():
-        for label, t in codecs.items():
+    points: list[dict[str, Any]] = []
+    for op, by_codec in times.items():
+        for label, t in by_codec.items():
             median, fastest, slowest = t if isinstance(t, tuple) else (t, t, t)
             points.append(
                 {
@@ -252,7 +254,7 @@ def _training_results(path, gaps: dict[str, tuple[float, float, bool]]) -> str:
         "int8": f"{A2A}=int8/int8,{RS}=fp16/fp16",
         "mx4": f"{A2A}=mx4/mx4,{RS}=bf16/bf16",
     }
-    runs = {"fp32": [{"registry": None, "dense": None}]}
+    runs: dict[str, list[dict[str, str | None]]] = {"fp32": [{"registry": None, "dense": None}]}
     runs.update({name: [{"registry": registries[name], "dense": None}] for name in gaps})
     runs["dense-int8+ef"] = [{"registry": None, "dense": "int8"}]
     summary = {

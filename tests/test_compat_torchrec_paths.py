@@ -36,8 +36,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from codec_names import BUILTIN
 from dist_utils import run_ranks
-from torchrec_utils import builtin_codecs
 
 import qcomm
 from qcomm import CodecInfo, CommOp, torchrec_exchange
@@ -73,7 +73,7 @@ def _info(spec: str) -> CodecInfo:
     return qcomm.codec_info(qcomm.load_codec(spec))
 
 
-CODECS = [*builtin_codecs(), "int8:row_dim=16"]
+CODECS = [*BUILTIN, "int8:row_dim=16"]
 BLOCK = {c: max(_info(c).error_block, 1) for c in CODECS}
 PAIRS = [(c, c) for c in CODECS] + [("fp16", c) for c in CODECS if BLOCK[c] > 1]
 

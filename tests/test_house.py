@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import pathlib
 import subprocess
 import sys
@@ -123,3 +124,33 @@ def test_no_import_cycle_between_modules() -> None:
     for name in sorted(graph):
         visit(name, [])
     assert len(graph) > 30, "the walk must see the package"
+
+
+def _collected(suites: list[str], env: dict[str, str]) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *suites],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT.parent,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def test_a_broken_third_party_plugin_does_not_void_the_suites(tmp_path: pathlib.Path) -> None:
+    # A plugin installed beside qcomm whose codec cannot even be imported:
+    # the suites run on the built-in codecs and the example plugin's, the
+    # same cases with it as without; QCOMM_TEST_PLUGINS=1 tests it too.
+    from fake_dists import make_dist
+
+    make_dist(tmp_path, "acme-broken", "acme_broken", "raise ImportError('no')\n", {"acme": "X"})
+    suites = ["tests/test_collectives.py", "tests/test_pipeline.py", "tests/test_ddp.py"]
+    env = {k: v for k, v in os.environ.items() if k != "QCOMM_TEST_PLUGINS"}
+    plain = _collected(suites, env)
+    path = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    broken = _collected(suites, {**env, "PYTHONPATH": path})
+    assert broken == plain and not [case for case in plain if "acme" in case]
+    opted = _collected(suites, {**env, "PYTHONPATH": path, "QCOMM_TEST_PLUGINS": "1"})
+    assert [case for case in opted if "[acme]" in case or "acme]" in case]

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from codec_names import BUILTIN
 from fake_dists import GOOD_CODEC, activate, make_dist
 
 import qcomm
@@ -61,9 +62,18 @@ def plugins(tmp_path, monkeypatch):
     return tmp_path
 
 
+def test_the_suites_list_of_builtin_codecs_is_what_qcomm_registers():
+    registered = [
+        name
+        for name, entries in qcomm.codec_entries().items()
+        if any(e.distribution == "qcomm" for e in entries)
+    ]
+    assert sorted(registered) == sorted(["noop", *BUILTIN])
+
+
 def test_available_codecs_lists_builtins_and_plugins(plugins):
     names = qcomm.available_codecs()
-    for name in ["noop", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "mx4"]:
+    for name in ["noop", *BUILTIN]:
         assert name in names
     for name in ["good", "other", "broken", "angry", "notacodec"]:
         assert name in names

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from codec_names import BUILTIN
 from dist_utils import (
     TRANSPORTS,
     Outcome,
@@ -693,14 +694,6 @@ MALFORMED = textwrap.dedent(
     print(json.dumps(report))
     """
 )
-
-# The codecs qcomm ships (the example plugin and test fakes are other
-# distributions); noop passes any tensor through by design.
-BUILTIN = [
-    name
-    for name, entries in qcomm.codec_entries().items()
-    if name != "noop" and any(e.distribution == "qcomm" for e in entries)
-]
 
 
 def test_malformed_wire_raises_on_every_builtin_codec() -> None:

@@ -55,6 +55,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from codec_names import BUILTIN
 from dist_utils import run_ranks
 from torchrec_utils import (
     Batch,
@@ -62,7 +63,6 @@ from torchrec_utils import (
     CountingCodec,
     PooledModel,
     SequenceModel,
-    builtin_codecs,
     cpu_sharders,
     load_global_weights,
 )
@@ -129,7 +129,6 @@ def valid_on(op: CommOp, case: str) -> bool:
     return True
 
 
-BUILTIN = builtin_codecs()
 # Every codec both ways; and, for the reduce-scatter, every element-wise
 # codec that is not summable as the backward codec of a summable one.
 PAIRS = BUILTIN + [f"fp16/{c}" for c in BUILTIN if not summable(c)]

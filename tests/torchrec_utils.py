@@ -1,5 +1,4 @@
-"""Helpers for the TorchRec end-to-end tests: the built-in codec names, CPU
-sharders, sharded test models, weight loading, a call-counting codec wrapper,
+"""Helpers for the TorchRec end-to-end tests: CPU sharders, sharded test models, weight loading, a call-counting codec wrapper,
 and the global synthetic batch every rank rebuilds from one seed."""
 
 from __future__ import annotations
@@ -11,15 +10,6 @@ import torch
 from torch import nn
 
 import qcomm
-
-
-def builtin_codecs() -> list[str]:
-    """The codecs the qcomm distribution itself registers, no-op aside."""
-    return [
-        name
-        for name, entries in qcomm.codec_entries().items()
-        if name != "noop" and any(e.distribution == "qcomm" for e in entries)
-    ]
 
 
 def cpu_sharders(
