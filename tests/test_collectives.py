@@ -53,6 +53,7 @@ from dist_utils import (
 
 import qcomm
 from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
+from qcomm.collectives import all_gather_pooled
 
 WORLD_SIZES = (2, 3)
 # float32's unit roundoff: the error of one rounded addition, relative to the sum.
@@ -448,6 +449,41 @@ def check_reduce_scatter(
     assert_within("input gradient", x.grad, ref_grad, bwd.rel_error_bound * s + bwd.abs_error_bound)
 
 
+def check_all_gather(
+    rank: int,
+    world: int,
+    splits: list[int],
+    rest: tuple[int, ...],
+    tag: str,
+    codec: str | None,
+) -> None:
+    # The reduce-scatter's adjoint: every rank's block to all, and back the
+    # sum of every rank's gradient of this rank's block.
+    exact = codec is None
+    xs = [gen(f"{tag}:x{k}", (splits[k], *rest), exact) for k in range(world)]
+    gs = [gen(f"{tag}:g{r}", (sum(splits), *rest), exact) for r in range(world)]
+    codecs = pair(codec) if codec else None
+    xs, gs = in_range(xs, codecs), in_range(gs, codecs)
+    x = xs[rank].clone().requires_grad_(True)
+    out = all_gather_pooled(x, output_splits=splits, codecs=codecs).wait()
+    (out * gs[rank]).sum().backward()
+    o = offsets(splits)
+    ref = torch.cat(xs, dim=0)
+    blocks = [g[o[rank] : o[rank + 1]] for g in gs]
+    ref_grad = torch.stack(blocks).double().sum(0).float()
+    assert x.grad is not None
+    if codecs is None:
+        assert_equal("output", out, ref)
+        assert_equal("input gradient", x.grad, ref_grad)
+        return
+    fwd, bwd = finite_info(codecs.forward), finite_info(codecs.backward)
+    s = torch.cat([magnitude(xk, fwd) for xk in xs], dim=0)
+    assert_within("output", out, ref, fwd.rel_error_bound * s + fwd.abs_error_bound)
+    assert_equal("own block", out[o[rank] : o[rank + 1]], xs[rank])  # never encoded
+    ss = [magnitude(b, bwd) for b in blocks]
+    assert_within("input gradient", x.grad, ref_grad, sum_bound(blocks, ss, bwd, native=False))
+
+
 def check_sequence(
     rank: int,
     world: int,
@@ -497,6 +533,10 @@ POOLED: dict[int, list[tuple[list[int], list[int]]]] = {
 REDUCE_SCATTER: dict[int, list[tuple[list[int] | None, tuple[int, ...]]]] = {
     2: [([3, 0], (5,)), (None, (4,)), ([1, 4], ()), ([2, 1], (3, 2))],
     3: [([2, 0, 3], (5,)), (None, (7,)), ([0, 4, 1], ()), ([1, 1, 2], (2, 3))],
+}
+ALL_GATHER: dict[int, list[tuple[list[int], tuple[int, ...]]]] = {
+    2: [([3, 0], (5,)), ([2, 2], (4,)), ([1, 4], ()), ([2, 1], (3, 2))],
+    3: [([2, 0, 3], (5,)), ([0, 4, 1], ()), ([1, 1, 2], (2, 33))],
 }
 SEQUENCE: dict[int, list[tuple[list[list[int]], tuple[int, ...]]]] = {
     2: [([[2, 0], [3, 1]], (5,)), ([[0, 0], [4, 2]], (3,)), ([[1, 2], [2, 1]], (2, 3))],
@@ -597,6 +637,33 @@ def case_codec_reduce_scatter(rank: int, world: int, codec: str) -> None:
             for i, (sp, rest) in enumerate(REDUCE_SCATTER[world])
         ]
     )
+
+
+def case_codec_all_gather(rank: int, world: int, codec: str) -> None:
+    run_all(
+        [
+            functools.partial(check_all_gather, rank, world, sp, rest, f"ca{i}", codec)
+            for i, (sp, rest) in enumerate(ALL_GATHER[world])
+        ]
+    )
+
+
+def case_all_gather_exact_and_checked(rank: int, world: int) -> None:
+    # The first call on the group is checked: ranks that disagree on the
+    # blocks raise, naming what differs, like on any collective.
+    mine = 1 if rank == 0 else 2  # rank 0 sees its own block as one row
+    with pytest.raises(CodecError, match="output_splits"):
+        all_gather_pooled(torch.ones(mine, 3), output_splits=[mine] + [2] * (world - 1)).wait()
+    with pytest.raises(
+        ValueError, match=r"output_splits: this rank's block is input.shape\[0\] = 4"
+    ):
+        all_gather_pooled(torch.ones(4, 3), output_splits=[1] * world)
+    # Without codecs: exact both ways; equal blocks by default.
+    for i, (splits, rest) in enumerate(ALL_GATHER[world]):
+        check_all_gather(rank, world, splits, rest, f"ae{i}", None)
+    x = gen("ae:eq", (2, 3), True)
+    out = all_gather_pooled(x).wait()
+    assert out.shape == (2 * world, 3) and torch.equal(out[2 * rank : 2 * rank + 2], x)
 
 
 def case_codec_sequence(rank: int, world: int, codec: str) -> None:
@@ -835,11 +902,13 @@ CASES: dict[str, Callable[[int, int], None]] = {
     "buffer_reuse": case_buffer_reuse,
     "validation": case_validation,
     "lying_codecs": case_lying_codecs,
+    "all_gather_exact_and_checked": case_all_gather_exact_and_checked,
 }
 CODEC_CASES: dict[str, Callable[[int, int, str], None]] = {
     "pooled": case_codec_pooled,
     "reduce_scatter": case_codec_reduce_scatter,
     "sequence": case_codec_sequence,
+    "all_gather": case_codec_all_gather,
 }
 CASE_IDS = [*CASES, *(f"{op}[{codec}]" for codec in CODEC_NAMES for op in CODEC_CASES)]
 

@@ -2,7 +2,8 @@ r"""
 The three collectives of sharded embeddings, each with a codec on the forward
 and on the backward pass: :func:`~qcomm.all_to_all_pooled`,
 :func:`~qcomm.reduce_scatter_pooled` and :func:`~qcomm.all_to_all_sequence`
-(see :doc:`collectives`). What the three share:
+(see :doc:`collectives`); and :func:`~qcomm.collectives.all_gather_pooled`,
+the reduce-scatter's adjoint. What they share:
 
 - A call starts its communication at once and returns an
   :class:`~qcomm.Awaitable`; the result is decoded and laid out on
@@ -31,8 +32,9 @@ and on the backward pass: :func:`~qcomm.all_to_all_pooled`,
     before :meth:`~qcomm.Awaitable.wait`.
 """
 
+from qcomm.collectives.all_gather import all_gather_pooled
 from qcomm.collectives.pooled import all_to_all_pooled
 from qcomm.collectives.reduce_scatter import reduce_scatter_pooled
 from qcomm.collectives.sequence import all_to_all_sequence
 
-__all__ = ["all_to_all_pooled", "all_to_all_sequence", "reduce_scatter_pooled"]
+__all__ = ["all_gather_pooled", "all_to_all_pooled", "all_to_all_sequence", "reduce_scatter_pooled"]

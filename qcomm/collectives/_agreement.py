@@ -38,8 +38,15 @@ _PROTOCOL = 3
 _HEADER = 6
 _MODES = ("first", "always")
 _FIELDS = 8
-#: Every collective qcomm runs, by name; its index travels in the check.
-COLLECTIVES = ("all_to_all_pooled", "reduce_scatter_pooled", "all_to_all_sequence", "all_reduce")
+#: Every collective qcomm runs, by name; its index travels in the check, so a
+#: new collective is appended.
+COLLECTIVES = (
+    "all_to_all_pooled",
+    "reduce_scatter_pooled",
+    "all_to_all_sequence",
+    "all_reduce",
+    "all_gather_pooled",
+)
 _TRANSPORTS = (None, *_transport.CHOICES)
 # Longest text of one field or error message sent in a description.
 _MAX_TEXT = 1000

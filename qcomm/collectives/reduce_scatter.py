@@ -8,7 +8,6 @@ decoding, never on the wire (docs/collectives.rst says why).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,11 +21,9 @@ from qcomm.collectives._args import (
     check_splits,
     resolve_codecs,
 )
-from qcomm.collectives._buffers import lease
-from qcomm.collectives._call import Call, begin
-from qcomm.collectives._exchange import Flat, offsets, recv_order, send_order, start_exchange
+from qcomm.collectives._blocks import gather_blocks, sum_blocks
+from qcomm.collectives._call import begin
 from qcomm.collectives._pending import Pending
-from qcomm.collectives._wire import padded_lengths
 
 __all__ = ["reduce_scatter_pooled"]
 
@@ -122,7 +119,8 @@ def reduce_scatter_pooled(
             agree.same("chunk_bytes", [chunk or 0])
         lengths = [s * math.prod(rest) for s in splits]
         dtype = input.dtype
-        finish = _reduce_scatter(input.detach(), lengths, forward, call, splits, rest, chunk)
+        mine = (splits[call.rank], *rest)
+        finish = sum_blocks(input.detach(), lengths, forward, call, mine, chunk, background=True)
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
         # instead of swapping gradients.
@@ -130,85 +128,9 @@ def reduce_scatter_pooled(
     in_shape = tuple(input.shape)
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
+        # Every rank's gradient block goes to every rank: encoded once, sent to all.
         with begin(backward_name, pg, grad) as back:
-            return _all_gather(grad, lengths, backward, back, in_shape, dtype, divide, chunk)
+            grad_input = gather_blocks(grad.to(dtype), lengths, backward, back, in_shape, chunk)()
+        return grad_input.div_(divide) if divide > 1 else grad_input
 
     return Pending(input, finish, backward_fn)
-
-
-def _reduce_scatter(
-    x: torch.Tensor,
-    lengths: list[int],
-    codec: Any,
-    call: Call,
-    splits: list[int],
-    rest: tuple[int, ...],
-    chunk_bytes: int | None,
-) -> Callable[[], torch.Tensor]:
-    dtype = x.dtype
-    world, rank = len(lengths), call.rank
-    ctx = codec.create_context()
-    padded = padded_lengths(codec, ctx, lengths, rank, x.device)
-    flat = x.reshape(-1)
-    o = offsets(lengths)
-    # The sum runs in float32 at least, in this rank's buffer, seeded with
-    # its own block; the peers' blocks are added in a fixed order.
-    acc_dtype = torch.promote_types(torch.float32, dtype)
-    acc = lease((splits[rank], *rest), acc_dtype, x.device)
-    sends = [([r], Flat(flat[o[r] : o[r + 1]], padded[r])) for r in send_order(rank, world)]
-    recvs = [(s, Flat(acc.view(-1), padded[rank])) for s in recv_order(rank, world)]
-
-    def seed(part: int, parts: int) -> None:
-        # The own block seeds the sum before the first peer's is added.
-        if part == 0:
-            acc.view(-1).copy_(flat[o[rank] : o[rank + 1]])
-
-    finish = start_exchange(
-        sends,
-        recvs,
-        codec,
-        ctx,
-        call.transport,
-        dtype,
-        chunk_bytes,
-        add=True,
-        call=call.name,
-        local=seed,
-        background=True,
-    )
-
-    def done() -> torch.Tensor:
-        finish()
-        return acc.to(dtype)
-
-    return done
-
-
-def _all_gather(
-    grad: torch.Tensor,
-    lengths: list[int],
-    codec: Any,
-    call: Call,
-    in_shape: tuple[int, ...],
-    dtype: torch.dtype,
-    divide: int,
-    chunk_bytes: int | None,
-) -> torch.Tensor:
-    # Every rank's gradient block goes to every rank: encoded once, sent to all.
-    world, rank = len(lengths), call.rank
-    ctx = codec.create_context()
-    padded = padded_lengths(codec, ctx, lengths, rank, grad.device)
-    mine = grad.to(dtype).reshape(-1)
-    grad_input = lease(in_shape, dtype, grad.device)
-    flat = grad_input.view(-1)
-    o = offsets(lengths)
-    sends = [(send_order(rank, world), Flat(mine, padded[rank]))]
-    recvs = [(s, Flat(flat[o[s] : o[s + 1]], padded[s])) for s in recv_order(rank, world)]
-    finish = start_exchange(
-        sends, recvs, codec, ctx, call.transport, dtype, chunk_bytes, call=call.name
-    )
-    flat[o[rank] : o[rank + 1]].copy_(mine)
-    finish()
-    if divide > 1:
-        grad_input.div_(divide)
-    return grad_input
