@@ -77,6 +77,7 @@ def _results(
             "max_rel_error": 2 * errors[label],
             "rms_rel_error": errors[label],
             "summable": label in SUMMABLE,
+            "bits_per_element": 32 / RATIO[label],
         }
         for label in RATIO
     ]

@@ -57,8 +57,9 @@ DEFAULT_MAX_ERROR = 3e-2
 #: a speed-up over the no-op codec this far above the codec's compression
 #: ratio cannot come from its bytes: it is the run's noise
 NOISE_MARGIN = 1.05
-# Gradients' errors add up from step to step: the backward codec is a 16-bit cast.
-_BACKWARD = ("bf16", "fp16")
+# Gradients' errors add up from step to step: the backward codec puts 16
+# bits or more per element on the wire (a 16-bit cast, or none).
+_BACKWARD_BITS = 16
 # Below this expected gain the no-op codec stays: not worth an error.
 _WORTH = 1.05
 
@@ -437,7 +438,7 @@ def advise(
             continue
         errors = {label: rows[label]["rms_rel_error"] for label in allowed}
         forward, close = _pick(allowed, figures, errors, spread)
-        casts = [label for label in allowed if label in (*_BACKWARD, "noop")]
+        casts = [label for label in allowed if rows[label]["bits_per_element"] >= _BACKWARD_BITS]
         backward, _ = _pick(casts, figures, errors, spread)
         f, b = figures[forward].value, figures[backward].value
         best = figures[forward]
