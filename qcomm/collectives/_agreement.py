@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives import _transport
+from qcomm.collectives import _backends, _transport
 from qcomm.collectives._describe import describe_codec, hash64
 from qcomm.collectives._disagreement import disagreement, unmatched_splits
 from qcomm.types import CodecError
@@ -82,8 +82,7 @@ def _describe(value: Any) -> str:
 
 
 def _exchange_device(group: dist.ProcessGroup, input: Any) -> torch.device | None:
-    backend = str(dist.get_backend(group)).lower()
-    nccl_only = "nccl" in backend and "gloo" not in backend
+    nccl_only = _backends.cuda_only(group)
     usable = isinstance(input, torch.Tensor) and input.device.type != "meta"
     if usable and not (nccl_only and input.device.type != "cuda"):
         device: torch.device = input.device

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives import _backends
 from qcomm.types import (
     CODEC_MEMBERS,
     CodecError,
@@ -71,14 +72,11 @@ def check_input(input: Any, name: str, group: dist.ProcessGroup, ndim: int | Non
         raise ValueError(f"{name}: expected at least 1 dimension, got a 0-D tensor")
     if input.device.type == "meta":
         raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
-    backend = str(dist.get_backend(group)).lower()
-    # NCCL moves only CUDA memory; handing it a CPU tensor fails deep inside
-    # the backend (or hangs the peers), so say so here.
-    if backend == "nccl" and input.device.type != "cuda":
-        raise ValueError(
-            f"{name}: the process group's backend is nccl, which needs CUDA tensors; "
-            f"got a tensor on {input.device}"
-        )
+    # A tensor the backend cannot move fails deep inside it (or hangs the
+    # peers), so say so here.
+    problem = _backends.device_problem(group, input.device)
+    if problem is not None:
+        raise ValueError(f"{name}: {problem}")
 
 
 def check_splits(
@@ -117,29 +115,6 @@ def check_splits(
     return out
 
 
-# What gloo carries (torch 2.13); it refuses int16, the unsigned ints above
-# 8 bits and the float8 dtypes with a bare "Invalid scalar type".
-_GLOO_DTYPES = frozenset(
-    {
-        torch.float32,
-        torch.float64,
-        torch.float16,
-        torch.bfloat16,
-        torch.uint8,
-        torch.int8,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    }
-)
-
-
-def _gloo_carries(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    if group is None or device.type != "cpu":
-        return False
-    return "gloo" in str(dist.get_backend(group)).lower()
-
-
 def check_codec(
     codec: Any, name: str, device: torch.device, group: dist.ProcessGroup | None = None
 ) -> None:
@@ -168,10 +143,11 @@ def check_codec(
             f"{name}: codec {info.name!r} runs on {', '.join(info.devices)}, "
             f"got a tensor on {device.type}"
         )
-    if dtype not in _GLOO_DTYPES and _gloo_carries(group, device):
+    limit = _backends.dtype_limit(group, device)
+    if limit is not None and dtype not in limit[1]:
         raise CodecError(
-            f"{name}: codec {info.name!r} sends {dtype}, which the gloo backend cannot carry "
-            f"(it carries {', '.join(sorted(str(d) for d in _GLOO_DTYPES))})"
+            f"{name}: codec {info.name!r} sends {dtype}, which the {limit[0]} backend cannot "
+            f"carry (it carries {', '.join(sorted(str(d) for d in limit[1]))})"
         )
 
 
@@ -180,10 +156,11 @@ def resolve_codecs(
 ) -> tuple[Any, Any]:
     """The checked forward and backward codecs of a call (no-op codecs for ``codecs=None``)."""
     if codecs is None:
-        if dtype not in _GLOO_DTYPES and _gloo_carries(group, device):
+        limit = _backends.dtype_limit(group, device)
+        if limit is not None and dtype not in limit[1]:
             raise TypeError(
-                f"input: the gloo backend cannot carry {dtype} as it is; give codecs that "
-                f"encode it (e.g. fp16) or convert the input"
+                f"input: the {limit[0]} backend cannot carry {dtype} as it is; give codecs "
+                f"that encode it (e.g. fp16) or convert the input"
             )
         # Without codecs the data travels in its own dtype, as with a plain
         # collective: no cast, no extra bytes.

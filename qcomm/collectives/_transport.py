@@ -24,7 +24,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives import _buffers, _header, _streams
+from qcomm.collectives import _backends, _buffers, _header, _streams
 
 ENV = "QCOMM_TRANSPORT"
 CHOICES = ("point_to_point", "all_to_all")
@@ -64,21 +64,17 @@ def choice() -> str | None:
     )
 
 
-def _gloo_cpu(group: dist.ProcessGroup, device: torch.device) -> bool:
-    return device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower()
-
-
 def kind(group: dist.ProcessGroup, device: torch.device) -> str:
     """The transport a call on ``group`` with tensors on ``device`` takes: one of :data:`CHOICES`."""
     forced = choice()
-    if forced == "point_to_point" and not _gloo_cpu(group, device):
+    if forced == "point_to_point" and not _backends.moves_alone(group, device):
         raise ValueError(
             f"{ENV}=point_to_point: expected gloo with CPU tensors, got backend "
             f"{dist.get_backend(group)} with tensors on {device}"
         )
     if forced is not None:
         return forced
-    return "point_to_point" if _gloo_cpu(group, device) else "all_to_all"
+    return "point_to_point" if _backends.moves_alone(group, device) else "all_to_all"
 
 
 def open_transport(

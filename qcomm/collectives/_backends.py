@@ -1,0 +1,93 @@
+"""
+What each ``torch.distributed`` backend can do, in one place: which devices'
+tensors it moves, which dtypes it carries, and whether its point-to-point
+messages move on their own (gloo's threads) so that a call may post them all
+and return. The collectives ask here; no other module names a backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# What gloo carries on CPU (torch 2.13); it refuses int16, the unsigned ints
+# above 8 bits and the float8 dtypes with a bare "Invalid scalar type".
+_GLOO_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.uint8,
+        torch.int8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+
+# backend -> (device types it moves, dtypes it carries on CPU or None for
+# any, whether its point-to-point messages on CPU move on their own)
+_TABLE: dict[str, tuple[frozenset[str], frozenset[torch.dtype] | None, bool]] = {
+    "gloo": (frozenset({"cpu", "cuda"}), _GLOO_DTYPES, True),
+    # NCCL moves only CUDA memory; a CPU tensor fails deep inside it (or
+    # hangs the peers).
+    "nccl": (frozenset({"cuda"}), None, False),
+}
+
+
+def by_device(backend: str) -> dict[str, str]:
+    """
+    The backend that moves each device type's tensors, from
+    ``dist.get_backend``'s text: ``"gloo"``, ``"nccl"``, or per device as
+    ``"cpu:gloo,cuda:nccl"``. A backend not in the table is taken to move
+    every device.
+    """
+    text = backend.strip().lower()
+    if ":" not in text:
+        devices = _TABLE[text][0] if text in _TABLE else frozenset({"cpu", "cuda"})
+        return {device: text for device in devices}
+    out = {}
+    for item in text.split(","):
+        device, _, name = item.partition(":")
+        out[device.strip()] = name.strip()
+    return out
+
+
+def _of(group: Any, device_type: str) -> str | None:
+    return by_device(str(dist.get_backend(group))).get(device_type)
+
+
+def device_problem(group: Any, device: torch.device) -> str | None:
+    """Why ``group`` cannot move tensors on ``device``, or ``None`` if it can."""
+    if _of(group, device.type) is not None:
+        return None
+    return (
+        f"the process group's backend is {dist.get_backend(group)}, which moves tensors on "
+        f"{', '.join(sorted(by_device(str(dist.get_backend(group)))))} only; got a tensor "
+        f"on {device}"
+    )
+
+
+def dtype_limit(group: Any, device: torch.device) -> tuple[str, frozenset[torch.dtype]] | None:
+    """The backend that moves ``device``'s tensors on ``group`` and the only
+    dtypes it carries, where it refuses others; ``None`` where it carries any."""
+    if group is None or device.type != "cpu":
+        return None
+    name = _of(group, "cpu")
+    dtypes = _TABLE[name][1] if name in _TABLE else None
+    return None if name is None or dtypes is None else (name, dtypes)
+
+
+def moves_alone(group: Any, device: torch.device) -> bool:
+    """Whether ``group``'s point-to-point messages of ``device``'s tensors move
+    on their own (gloo on CPU): the point-to-point transport's condition."""
+    name = _of(group, device.type) if device.type == "cpu" else None
+    return name in _TABLE and _TABLE[name][2]
+
+
+def cuda_only(group: Any) -> bool:
+    """Whether ``group`` moves CUDA tensors only (NCCL alone)."""
+    return set(by_device(str(dist.get_backend(group)))) == {"cuda"}
