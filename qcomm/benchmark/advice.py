@@ -186,8 +186,14 @@ def _measured_at(results: dict[str, Any], gbit_per_s: float) -> bool:
     return rate is not None and math.isclose(rate / 1e9, gbit_per_s, rel_tol=1e-6)
 
 
-def _times(p: dict[str, Any], gbit_per_s: float, measured: bool) -> list[float] | None:
+def _times(
+    p: dict[str, Any], gbit_per_s: float, measured: bool, floor: float = 0.0
+) -> list[float] | None:
     # Seconds of a call on the link: the median round first, then every round.
+    # Predicted, a call's time without a link limit counts as at least
+    # `floor`, the no-op codec's: a codec adds encoding and decoding, and what
+    # loopback saves by copying fewer bytes is not the user's network's (on
+    # this CPU it moves from run to run and made the advice flip).
     if measured:
         return [p["latency_s"], *p.get("samples_s", [])]
     cpu = p.get("unlimited_s")
@@ -195,7 +201,12 @@ def _times(p: dict[str, Any], gbit_per_s: float, measured: bool) -> list[float] 
         return None
     rate = gbit_per_s * 1e9 / 8
     rounds = p.get("unlimited_samples_s") or []
-    return [predicted_time(p["link_bytes"], rate, s) for s in (cpu, *rounds)]
+    return [predicted_time(p["link_bytes"], rate, max(s, floor)) for s in (cpu, *rounds)]
+
+
+def _floor(points: dict[str, dict[str, Any]]) -> float:
+    # The no-op codec's time without a link limit (_times).
+    return float(points.get("noop", {}).get("unlimited_s") or 0.0)
 
 
 def speedups(results: dict[str, Any], gbit_per_s: float) -> dict[str, dict[str, Speedup]]:
@@ -218,7 +229,8 @@ def speedups(results: dict[str, Any], gbit_per_s: float) -> dict[str, dict[str, 
             continue
         figures = {}
         for label, p in points.items():
-            times = _times(p, gbit_per_s, measured)
+            floor = 0.0 if label == "noop" else _floor(points)
+            times = _times(p, gbit_per_s, measured, floor)
             if times is None:
                 continue
             ratio = 1.0 if label == "noop" else p.get("compression_ratio") or 1.0
