@@ -125,8 +125,9 @@ class Advice:
         gbit_per_s (float): the link's rate. Default: ``0.0``.
         measured (bool): the speed-ups were measured on this link in this run
             (else the model predicted them). Default: ``False``.
-        left_out (list[str]): faster codecs the error budget left out, each
-            with its speed-up and why. Default: none.
+        left_out (list[str]): codecs at least 5% faster than the pick that
+            the error budget left out, each with its speed-up and why.
+            Default: none.
         noise (list[str]): codecs whose figure was noise (:func:`is_noise`),
             not used. Default: none.
         close (list[str]): codecs faster than the pick, left to it by the
@@ -465,7 +466,8 @@ def advise(
                 rms_rel_error=rows[forward]["rms_rel_error"],
                 gbit_per_s=gbit_per_s,
                 measured=best.measured,
-                left_out=[text for label, text in left_out if figures[label].value > f],
+                # What the budget traded: codecs that would have gained 5% more.
+                left_out=[text for label, text in left_out if figures[label].value >= f * _WORTH],
                 noise=noise,
                 close=close,
                 spread=spread,
