@@ -41,6 +41,7 @@ __all__ = [
     "error_budget",
     "expected_speedups",
     "is_noise",
+    "parse_max_error",
     "read_loss_gaps",
     "registry_string",
     "run_spread",
@@ -210,9 +211,11 @@ def _floor(points: dict[str, dict[str, Any]]) -> float:
     return float(points.get("noop", {}).get("unlimited_s") or 0.0)
 
 
-def speedups(results: dict[str, Any], gbit_per_s: float) -> dict[str, dict[str, Speedup]]:
+def speedups(
+    results: dict[str, Any], gbit_per_s: float, *, predicted: bool = False
+) -> dict[str, dict[str, Speedup]]:
     r"""
-    speedups(results: dict[str, Any], gbit_per_s: float) -> dict[str, dict[str, Speedup]]
+    speedups(results: dict[str, Any], gbit_per_s: float, *, predicted: bool = False) -> dict[str, dict[str, Speedup]]
 
     Every qcomm codec's speed-up over the no-op codec, ``op -> codec ->
     figure``, forward pass at the run's largest size: measured where the run
@@ -221,8 +224,12 @@ def speedups(results: dict[str, Any], gbit_per_s: float) -> dict[str, dict[str, 
     Args:
         results (dict[str, Any]): the run's JSON content.
         gbit_per_s (float): the link's rate in Gbit/s each way.
+        predicted (bool, optional): the model's figures even where this link
+            was emulated and measured (a launcher's run has only measured
+            ones). Default: ``False``.
     """
-    measured = _measured_at(results, gbit_per_s)
+    real = results["meta"].get("local") is False
+    measured = real or (not predicted and _measured_at(results, gbit_per_s))
     out: dict[str, dict[str, Speedup]] = {}
     for op, points in _largest_forward(results).items():
         base = _times(points["noop"], gbit_per_s, measured) if "noop" in points else None
@@ -326,11 +333,9 @@ def expected_speedups(
         results (dict[str, Any]): the run's JSON content.
         rates_gbit (list[float]): link rates in Gbit/s.
     """
-    real = results["meta"].get("local") is False
     out: dict[str, dict[str, list[float | None]]] = {}
     for rate in rates_gbit:
-        local = {**results, "link": None} if not real else results  # the model, always
-        for op, figures in speedups(local, rate).items():
+        for op, figures in speedups(results, rate, predicted=True).items():
             for label, f in figures.items():
                 out.setdefault(op, {}).setdefault(label, []).append(None if f.noise else f.value)
     return out
@@ -362,20 +367,45 @@ def error_budget(
     """
     if max_error is None:
         return DEFAULT_MAX_ERROR, f"RMS error at most {DEFAULT_MAX_ERROR:g} (the default)"
+    budget = parse_max_error(max_error)
+    if isinstance(budget, float):
+        return budget, f"RMS error at most {budget:g} (--max-error)"
+    rows = {r["codec"]: r for r in results["codecs"] if r["status"] == "ok"}
+    if budget not in rows:
+        raise ValueError(
+            f"--max-error: expected a relative RMS error such as 1e-2, or a codec this "
+            f"run measured ({', '.join(rows)}), got {max_error!r}"
+        )
+    limit = rows[budget]["rms_rel_error"]
+    return limit, f"as good as {budget} (RMS error at most {limit:.2g}, --max-error)"
+
+
+def parse_max_error(text: str | float) -> float | str:
+    r"""
+    parse_max_error(text: str | float) -> float | str
+
+    ``--max-error`` read: a positive number, or the name of a codec to be
+    as good as (which the caller looks up).
+
+    Args:
+        text (str | float): the option's value.
+
+    Raises:
+        ValueError: naming ``--max-error``, for a number that is not positive
+            and finite.
+
+    Examples::
+
+        >>> parse_max_error("1e-2"), parse_max_error(" bf16 ")
+        (0.01, 'bf16')
+    """
     try:
-        limit = float(max_error)
+        limit = float(text)
     except ValueError:
-        rows = {r["codec"]: r for r in results["codecs"] if r["status"] == "ok"}
-        if max_error not in rows:
-            raise ValueError(
-                f"--max-error: expected a relative RMS error such as 1e-2, or a codec this "
-                f"run measured ({', '.join(rows)}), got {max_error!r}"
-            ) from None
-        limit = rows[str(max_error)]["rms_rel_error"]
-        return limit, f"as good as {max_error} (RMS error at most {limit:.2g}, --max-error)"
-    if not limit > 0 or math.isinf(limit):
-        raise ValueError(f"--max-error: expected a positive number, got {max_error!r}")
-    return limit, f"RMS error at most {limit:g} (--max-error)"
+        return str(text).strip()
+    if not 0 < limit < math.inf:
+        raise ValueError(f"--max-error: expected a positive number, got {text!r}")
+    return limit
 
 
 def _pick(

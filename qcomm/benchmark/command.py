@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from qcomm.benchmark.advice import DEFAULT_MAX_ERROR, read_loss_gaps
+from qcomm.benchmark.advice import DEFAULT_MAX_ERROR, parse_max_error, read_loss_gaps
 from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.options import (
     QUICK_SIZES,
@@ -296,18 +295,13 @@ def _advice_config(args: argparse.Namespace, config: BenchConfig) -> None:
     config.data_scale = args.data_scale or 1.0
     if args.max_error is not None:
         text = args.max_error.strip()
-        try:
-            number = float(text)
-        except ValueError:
+        if isinstance(budget := parse_max_error(text), str):
             known = config.codecs if config.codecs is not None else available_codecs()
-            if text not in [*known, "noop"]:
+            if budget not in [*known, "noop"]:
                 raise ValueError(
                     f"--max-error: expected a relative RMS error such as 1e-2, or a codec of "
                     f"the run to be as good as ({', '.join(known)}), got {text!r}"
-                ) from None
-        else:
-            if not 0 < number < math.inf:
-                raise ValueError(f"--max-error: expected a positive number, got {text!r}")
+                )
         config.max_error = text
     path = args.training_results
     if path is None and os.path.exists(DEFAULT_TRAINING_RESULTS):

@@ -442,13 +442,13 @@ def _unlimited(
     finally:
         session.set_shaping(True)
     return {
-        (p["op"], p["size_bytes"], p["pass"], p["label"]): _spread(p)
+        (p["op"], p["size_bytes"], p["pass"], p["label"]): _rounds(p)
         for p in points
         if p["status"] == "ok"
     }
 
 
-def _spread(p: dict[str, Any]) -> tuple[float, list[float]]:
+def _rounds(p: dict[str, Any]) -> tuple[float, list[float]]:
     # A point's median round, and every round.
     return p["latency_s"], list(p["samples_s"])
 
@@ -504,7 +504,7 @@ def _add_comparisons(
                 if p["status"] == "ok":
                     p["x_link_bound"] = p["latency_s"] / p["link_bound_s"]
         if p["impl"] == "qcomm" and p["status"] == "ok":
-            spread = unlimited.get(key) if unlimited is not None else _spread(p)
+            spread = unlimited.get(key) if unlimited is not None else _rounds(p)
             p["unlimited_s"], p["unlimited_samples_s"] = spread or (None, None)
             if rate and p["unlimited_s"] and p["link_bytes"] is not None:
                 p["predicted_s"] = predicted_time(p["link_bytes"], rate / 8, p["unlimited_s"])
