@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from qcomm.benchmark.advice import advice_rates, cpu_limits, expected_speedups
+from qcomm.benchmark.advice import advice_rates, cpu_limits, expected_speedups, speedups
 from qcomm.benchmark.candidates import FBGEMM_FORMATS
 from qcomm.benchmark.options import OP_TITLES, format_size
 
@@ -91,19 +91,16 @@ def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> l
     link = results.get("link")
     size = max(p["size_bytes"] for p in results["collectives"])
     if link and link.get("rate_bps"):
-        measured = [
-            p
-            for p in results["collectives"]
-            if p["op"] == op
-            and p["impl"] == "qcomm"
-            and p["pass"] == "fwd"
-            and p["size_bytes"] == size
-            and p.get("speedup")
-        ]
-        for p in measured:
-            ax.scatter(
-                [link["rate_bps"] / 1e9], [p["speedup"]], color=color[_family(p["label"])], s=40
-            )
+        rate = link["rate_bps"] / 1e9
+        # The speed-ups measured on the link, as the tables and the advice
+        # give them; a figure that is noise is not drawn either.
+        measured = {
+            label: figure
+            for label, figure in speedups(results, rate).get(op, {}).items()
+            if figure.measured and not figure.noise
+        }
+        for label, figure in measured.items():
+            ax.scatter([rate], [figure.value], color=color[_family(label)], s=40)
         if measured:  # one grey dot stands for all: a codec's colour is its curve's
             ax.scatter([], [], color="grey", s=40, label=f"measured on the {link['spec']} link")
             ax.legend(loc="best", fontsize=8)
