@@ -366,7 +366,7 @@ def test_a_run_at_the_users_data_scale_measures_and_advises_by_it(tmp_path) -> N
 
     out = tmp_path / "run.json"
     argv = ["bench", "--quick", "--codecs", "fp16", "--ops", "pooled", "--sizes", "64K"]
-    argv += ["--no-fbgemm", "--data-scale", "1e-6", "--max-error", "1e-2", "--link-gbps", "0.1"]
+    argv += ["--no-fbgemm", "--data-scale", "1e-6", "--max-error", "1e-2", "--link-gbps", "0.01"]
     assert cli_main([*argv, "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["meta"]["data_scale"] == 1e-6
@@ -376,7 +376,8 @@ def test_a_run_at_the_users_data_scale_measures_and_advises_by_it(tmp_path) -> N
     (a2a,) = rate["collectives"]
     assert a2a["forward"] == "noop" and a2a["backward"] == "noop"
     assert results["advice"]["max_rms_error"] == 1e-2
-    # At 0.1 Gbit/s the link dominates: fp16 is faster, and left out for its error.
+    # At 0.01 Gbit/s the link dominates (fp16 halves 26 ms of wire time against
+    # a few ms of CPU): fp16 is faster, and left out for its error.
     assert [t for t in a2a["left_out"] if t.startswith("fp16 (x")], a2a
 
 
