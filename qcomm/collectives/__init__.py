@@ -33,8 +33,7 @@ the reduce-scatter's adjoint. What they share:
 """
 
 from qcomm.collectives.all_gather import all_gather_pooled
-from qcomm.collectives.pooled import all_to_all_pooled
+from qcomm.collectives.all_to_all import all_to_all_pooled, all_to_all_sequence
 from qcomm.collectives.reduce_scatter import reduce_scatter_pooled
-from qcomm.collectives.sequence import all_to_all_sequence
 
 __all__ = ["all_gather_pooled", "all_to_all_pooled", "all_to_all_sequence", "reduce_scatter_pooled"]
