@@ -114,12 +114,13 @@ class Agreement:
         rank: int,
         world: int,
         input: Any,
-        transport: _transport.Transport | None = None,
     ) -> None:
         if collective not in COLLECTIVES:
             raise AssertionError(f"qcomm: unknown collective {collective!r}")
         self.collective = collective
-        self.transport = transport
+        #: whether the peers know, from this check, that this rank's call
+        #: failed (nothing more needs telling them)
+        self.told = False
         self.group = group
         self.rank = rank
         self.world = world
@@ -170,15 +171,13 @@ class Agreement:
             except CodecError:
                 # Every rank read the same table and raises alike: no rank
                 # goes on to the call's data, and none needs telling.
-                if self.transport is not None:
-                    self.transport.told = True
+                self.told = True
                 raise
             _verified.setdefault(self.group, set()).add(self.collective)
         elif isinstance(exc, Exception):
             try:
                 self._exchange(exc)
-                if self.transport is not None:
-                    self.transport.told = True
+                self.told = True
             except Exception:
                 # Telling the others failed (e.g. the group itself is
                 # broken): this rank's own error is the one to see.

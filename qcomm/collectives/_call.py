@@ -10,30 +10,94 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives import _header
 from qcomm.collectives._agreement import Agreement, safe_mode
 from qcomm.collectives._args import resolve_group
 from qcomm.collectives._transport import Transport, open_transport
 
 
-@dataclass
 class Call:
-    """One collective call (or backward pass) on this rank."""
+    """
+    One collective call (or backward pass) on this rank: its group, its
+    transport, and what its peers have been told. Whether the call exchanges
+    headers (``checked``) is decided here, alike on every rank; the transport
+    only moves the bytes.
+    """
 
-    name: str
-    group: dist.ProcessGroup
-    rank: int
-    world: int
-    transport: Transport
+    def __init__(
+        self, name: str, group: dist.ProcessGroup, rank: int, world: int, device: torch.device
+    ) -> None:
+        self.name = name
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.device = device
+        #: whether the call exchanges headers before its data (``QCOMM_VERIFY=1``)
+        self.checked = safe_mode() == "always"
+        #: whether this rank's headers have gone out on the current transport
+        #: (then a failure is told in-band, with the data)
+        self.announced = False
+        self.transport = self._open()
+        self._transports = [self.transport]
+        self._exchanges = 0
+        self._agreement: Agreement | None = None
+
+    def _open(self) -> Transport:
+        return open_transport(
+            self.group,
+            self.rank,
+            self.device,
+            trailer_bytes=_header.STATUS_BYTES,
+            control_bytes=_header.SIZE,
+        )
+
+    @property
+    def number(self) -> int:
+        """The call's number on its group, alike on every rank."""
+        return self.transport.number
 
     def agreement(self, collective: str, input: Any) -> Agreement:
         """The agreement check of this call (see :class:`Agreement`)."""
-        return Agreement(collective, self.group, self.rank, self.world, input, self.transport)
+        self._agreement = Agreement(collective, self.group, self.rank, self.world, input)
+        return self._agreement
+
+    def next_exchange(self, name: str) -> None:
+        """
+        Names the call's next exchange; every exchange after the first has a
+        transport of its own, which becomes the call's (a call made of
+        several exchanges: the all-reduce).
+        """
+        if self._exchanges:
+            self.transport = self._open()
+            self._transports.append(self.transport)
+            self.announced = False
+        self._exchanges += 1
+        self.name = name
+
+    def fail(self, error: BaseException) -> None:
+        """
+        Tells the peers that this rank's call failed, where they would
+        otherwise wait for its header, and gives up on the call's transports.
+        """
+        told = self._agreement is not None and self._agreement.told
+        if self.checked and not self.announced and not told:
+            blob = _header.fail(self.name, error).pack()
+            peers = [p for p in range(self.world) if p != self.rank]
+            for peer in peers:
+                self.transport.expect_control(peer)
+                self.transport.send_control(peer, blob)
+            self.transport.flush_controls()
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Gives up on every transport of the call, without waiting."""
+        for transport in self._transports:
+            transport.abandon()
 
 
 def _device(input: Any) -> torch.device:
@@ -54,14 +118,11 @@ def begin(name: str, group: Any, input: Any, collective: str | None = None) -> I
     except TypeError as err:
         _tell_default_group(name, err, collective)
         raise
-    # Headers where every call is checked (QCOMM_VERIFY=1, alike on all ranks).
-    checked = safe_mode() == "always"
-    call = Call(name, pg, rank, world, open_transport(pg, rank, _device(input), checked))
+    call = Call(name, pg, rank, world, _device(input))
     try:
         yield call
     except Exception as err:
-        peers = [p for p in range(world) if p != rank]
-        call.transport.fail(name, err, peers)
+        call.fail(err)
         raise
 
 
@@ -70,12 +131,12 @@ def _tell_default_group(name: str, error: BaseException, collective: str | None)
     if not dist.is_initialized():
         return
     pg, rank, world = resolve_group(None)
-    transport = open_transport(pg, rank, torch.device("cpu"), safe_mode() == "always")
+    call = Call(name, pg, rank, world, torch.device("cpu"))
     if collective is not None:
         # Where the peers check agreement on this call, meet them there.
         try:
-            with Agreement(collective, pg, rank, world, None, transport):
+            with call.agreement(collective, None):
                 raise error
         except BaseException:
             pass
-    transport.fail(name, error, [p for p in range(world) if p != rank])
+    call.fail(error)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from qcomm.collectives import _background, _header
+from qcomm.collectives._call import Call
 from qcomm.collectives._describe import fingerprint
 from qcomm.collectives._transport import Transport
 from qcomm.collectives._wire import (
@@ -181,18 +182,17 @@ def start_exchange(
     recvs: Sequence[tuple[int, Region]],
     codec: Any,
     ctx: Any,
-    transport: Transport,
+    call: Call,
     dtype: torch.dtype,
     chunk_bytes: int | None,
     add: bool = False,
-    call: str = "",
     local: Callable[[int, int], None] | None = None,
     background: bool = False,
 ) -> Callable[[], None]:
     """
     Sends every region of ``sends`` (to its peers) and declares every receive of
-    ``recvs`` (from its peer); returns the function that receives, decodes and
-    closes. ``local(i, n)``, where given, is this rank's own share of the work
+    ``recvs`` (from its peer), on ``call``'s transport; returns the function
+    that receives, decodes and closes. ``local(i, n)``, where given, is this rank's own share of the work
     in ``n`` parts: the function runs part ``i`` before it waits for the
     ``i``-th message, so that the work fills the waits instead of delaying
     the first send. ``background``: a call waited for later; where the
@@ -200,6 +200,7 @@ def start_exchange(
     now on the background thread (``_background``). A disagreement or failure
     raises :class:`~qcomm.CodecError` on every rank.
     """
+    transport, name = call.transport, call.name
     align = _alignment(codec, transport)
     identity = is_identity(codec, dtype)
     wdtype = wire_dtype(codec)
@@ -227,7 +228,7 @@ def start_exchange(
     last_out = {p: i for i, (to, *_) in enumerate(outgoing) for p in to}
     last_in = {i[0]: n for n, i in enumerate(incoming)}
     extra = _header.status_elements(wdtype)
-    print_, name = _status_print(codec, identity)
+    print_, codec_name = _status_print(codec, identity)
     flows = _flows(peers, incoming, outgoing)
 
     def encode(region: Region | None, start: int, stop: int, size: int) -> torch.Tensor:
@@ -238,8 +239,8 @@ def start_exchange(
             return chunk
         return checked_encode(codec, ctx, encodable(chunk, codec), size, wdtype)
 
-    checked = transport.checked and bool(peers)
-    headers = _announce(peers, flows, print_, name, dtype, transport, call) if checked else {}
+    checked = call.checked and bool(peers)
+    headers = _announce(peers, flows, print_, codec_name, dtype, call) if checked else {}
     # Receives are posted at once, as this rank expects them (its headers
     # say so); a peer sends its data only once it has read them. A peer's
     # last message carries its status too: it lands in the shared buffer.
@@ -257,13 +258,13 @@ def start_exchange(
     held: dict[int, torch.Tensor] = {}
     try:
         agreed, disagreement, someone_failed = (
-            _check(headers, transport, call) if checked else (set(peers), None, False)
+            _check(headers, transport, name) if checked else (set(peers), None, False)
         )
         if someone_failed and not transport.chunked:
             # A rank that failed before the call never joins the all-to-all:
             # neither does any other (each has its header).
             transport.abandon()
-            raise disagreement or CodecError(f"{call}: a peer failed")
+            raise disagreement or CodecError(f"{name}: a peer failed")
         failure = disagreement
         for i, (to, region, start, stop, size) in enumerate(outgoing):
             targets = [p for p in to if p in agreed]
@@ -286,7 +287,7 @@ def start_exchange(
                 else:
                     transport.send(peer, wire)
         for peer, wire in held.items():
-            own = _header.identity(call, transport.number, print_, str(dtype), flows[peer][0])
+            own = _header.identity(name, transport.number, print_, str(dtype), flows[peer][0])
             transport.send(peer, wire, _header.status(failure is None, own))
         transport.flush()
     except BaseException:
@@ -297,7 +298,7 @@ def start_exchange(
         raise failure
     pending = [item for item in pending if item[0] in agreed]
     expected = {
-        p: _header.identity(call, transport.number, print_, str(dtype), flows[p][1]) for p in agreed
+        p: _header.identity(name, transport.number, print_, str(dtype), flows[p][1]) for p in agreed
     }
     statuses: dict[int, bytes | torch.Tensor] = {}
 
@@ -323,7 +324,7 @@ def start_exchange(
         ]
         if not said:
             return None
-        return f"{call}: {'; '.join(said)}, so this rank's result is void"
+        return f"{name}: {'; '.join(said)}, so this rank's result is void"
 
     def finish() -> None:
         parts = max(1, len(pending))
@@ -333,7 +334,7 @@ def start_exchange(
                     local(n, parts)
                 wire = transport.received(handle)
                 if last_size is not None:
-                    statuses[peer] = transport.status_of(handle, last_size)
+                    statuses[peer] = transport.trailer_of(handle, last_size)
                     wire = wire[:last_size]
                 if region is None:
                     continue
@@ -359,7 +360,7 @@ def start_exchange(
         for peer, handle, _, _, _, last_size in pending:
             if last_size is not None and peer not in statuses:
                 transport.received(handle)
-                statuses[peer] = transport.status_of(handle, last_size)
+                statuses[peer] = transport.trailer_of(handle, last_size)
 
     def _decode(wire: torch.Tensor, region: Region, start: int, stop: int) -> None:
         target = region.target(start, stop)
@@ -433,18 +434,18 @@ def _announce(
     print_: int,
     name: str,
     dtype: torch.dtype,
-    transport: Transport,
-    call: str,
+    call: Call,
 ) -> dict[int, tuple[_header.Header, Any]]:
     """Sends this rank's header to every peer and posts theirs."""
     headers = {}
+    transport = call.transport
     for p in peers:
         sent, expected = flows[p]
-        mine = _header.Header(_header.OK, call, print_, str(dtype), sent, expected, name)
+        mine = _header.Header(_header.OK, call.name, print_, str(dtype), sent, expected, name)
         headers[p] = (mine, transport.expect_control(p))
     for p in peers:
         transport.send_control(p, headers[p][0].pack())
-    transport.announced = True
+    call.announced = True
     return headers
 
 

@@ -1,5 +1,5 @@
 """
-How wire tensors cross between ranks: the one place that knows backends.
+How wire tensors cross between ranks: bytes, and nothing of what they mean.
 
 A call declares every receive before any send, sends as it encodes, then
 waits for each receive. :class:`PointToPoint` (gloo on CPU) posts every
@@ -24,7 +24,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives import _backends, _buffers, _header, _streams
+from qcomm.collectives import _backends, _buffers, _streams
 
 ENV = "QCOMM_TRANSPORT"
 CHOICES = ("point_to_point", "all_to_all")
@@ -36,9 +36,8 @@ opened: collections.Counter[str] = collections.Counter()
 # (the ranks make the same calls in the same order). On point-to-point it is
 # the call's tag: messages of a call that failed half-way can never be taken
 # for those of a later call, and a user's own point-to-point messages (tag 0
-# by default) never mix with qcomm's. Its headers travel under a second tag,
-# so that they can never be matched with data. The number also goes into
-# every call's in-band status (see ``_header.identity``).
+# by default) never mix with qcomm's. Its control messages travel under a
+# second tag, so that they can never be matched with data.
 _FIRST_TAG = 1 << 30
 _TAGS = 1 << 29
 _calls: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
@@ -78,11 +77,17 @@ def kind(group: dist.ProcessGroup, device: torch.device) -> str:
 
 
 def open_transport(
-    group: dist.ProcessGroup, rank: int, device: torch.device, checked: bool = False
+    group: dist.ProcessGroup,
+    rank: int,
+    device: torch.device,
+    *,
+    trailer_bytes: int = 0,
+    control_bytes: int = 0,
 ) -> Transport:
     """
-    The transport of one call; ``checked``: exchange headers before the data
-    (``QCOMM_VERIFY=1``, decided alike on every rank by the caller).
+    The transport of one call. ``trailer_bytes``: the size of the trailer a
+    send may end with (:meth:`Transport.send`); ``control_bytes``: the size of
+    a control message (:meth:`Transport.send_control`).
     """
     how = kind(group, device)
     number = _calls.get(group, 0)
@@ -93,7 +98,8 @@ def open_transport(
     else:
         transport = OneAllToAll(group, rank, device)
     transport.number = number
-    transport.checked = checked
+    transport.trailer_bytes = trailer_bytes
+    transport.control_bytes = control_bytes
     opened[type(transport).__name__] += 1
     return transport
 
@@ -111,10 +117,12 @@ class Transport:
     #: whether posted messages move without this process's help (in the
     #: backend's threads), so that the rest of a call can be done elsewhere
     moves_alone = False
-    #: whether the call exchanges headers before its data (see ``_header``)
-    checked = False
     #: the call's number on its group, alike on every rank
     number = 0
+    #: the size of the trailer that may end a message (see :meth:`send`)
+    trailer_bytes = 0
+    #: the size of a control message (see :meth:`send_control`)
+    control_bytes = 0
 
     def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
         self.group = group
@@ -127,15 +135,9 @@ class Transport:
         self._dtype = torch.uint8
         self._buffer: torch.Tensor | None = None
         self._raw: Any = None  # the shared buffer's bytes, as numpy, once read
-        self._joined: list[torch.Tensor] = []  # messages made here (wire and status)
+        self._joined: list[torch.Tensor] = []  # messages made here (wire and trailer)
         self._sends: list[tuple[int, torch.Tensor]] = []
         self._forgotten: set[int] = set()  # peers out of the call (see forget)
-        #: whether this rank's headers have gone out (then a failure is told
-        #: in-band, with the data, not by :meth:`fail`)
-        self.announced = False
-        #: whether the peers already know that this call failed here (the
-        #: agreement check told them): :meth:`fail` then says nothing
-        self.told = False
 
     def expect(
         self, peer: int, numel: int, dtype: torch.dtype, into: torch.Tensor | None = None
@@ -154,15 +156,15 @@ class Transport:
     def start(self) -> None:
         """Posts the declared receives, where the backend allows it before any send."""
 
-    def send(self, peer: int, wire: torch.Tensor, status: bytes | None = None) -> None:
+    def send(self, peer: int, wire: torch.Tensor, trailer: bytes | None = None) -> None:
         """
-        Sends a contiguous 1-D wire to ``peer``, followed by ``status`` (padded
-        to whole elements: see ``_header.status_elements``) where given; the
-        wire must stay unchanged until :meth:`close`.
+        Sends a contiguous 1-D wire to ``peer``, followed by ``trailer``
+        (:attr:`trailer_bytes` bytes, padded to whole elements) where given;
+        the wire must stay unchanged until :meth:`close`.
         """
         self._dtype = wire.dtype
-        if status is not None:
-            wire = _joined(wire, status)
+        if trailer is not None:
+            wire = _joined(wire, trailer)
             self._joined.append(wire)
         self._sends.append((peer, wire))
 
@@ -184,17 +186,17 @@ class Transport:
         _streams.use_here(self._buffer)
         return self._buffer[offset : offset + numel]
 
-    def status_of(self, handle: int, size: int) -> bytes | torch.Tensor:
+    def trailer_of(self, handle: int, size: int) -> bytes | torch.Tensor:
         """
-        The status after the first ``size`` elements of a received wire: its
+        The trailer after the first ``size`` elements of a received wire: its
         bytes where it is on the CPU, else a device tensor of them (read later,
         all at once).
         """
         _, offset, _, into = self._recvs[handle]
         if into is not None or self._buffer is None:
-            raise AssertionError("qcomm: a status lands in the shared buffer")
+            raise AssertionError("qcomm: a trailer lands in the shared buffer")
         start = (offset + size) * self._buffer.element_size()
-        stop = start + _header.STATUS_BYTES
+        stop = start + self.trailer_bytes
         if self.device.type == "cpu":
             if self._raw is None:
                 self._raw = self._buffer.view(torch.uint8).numpy()
@@ -222,26 +224,22 @@ class Transport:
         self._forgotten.add(peer)
 
     def expect_control(self, peer: int) -> Any:
-        """Posts the receive of a header from ``peer`` (only where :attr:`checked`)."""
+        """
+        Posts the receive of a control message (:attr:`control_bytes` bytes)
+        from ``peer``; control messages travel apart from the data, before it.
+        """
         raise NotImplementedError
 
     def send_control(self, peer: int, blob: torch.Tensor) -> None:
-        """Sends a header to ``peer`` (only where :attr:`checked`)."""
+        """Sends a control message (uint8, :attr:`control_bytes` bytes) to ``peer``."""
         raise NotImplementedError
+
+    def flush_controls(self) -> None:
+        """Called after the last control message is sent; a transport that sends them at once does it here."""
 
     def control(self, handle: Any) -> torch.Tensor:
-        """Waits for a header posted with :meth:`expect_control` (a CPU tensor)."""
+        """Waits for a control message posted with :meth:`expect_control` (a CPU tensor)."""
         raise NotImplementedError
-
-    def fail(self, call: str, error: BaseException, peers: list[int]) -> None:
-        """Tells ``peers`` (where it can) that this rank cannot take part, and abandons the call."""
-        if self.checked and not self.announced and not self.told:
-            blob = _header.fail(call, error).pack()
-            for peer in peers:
-                self.expect_control(peer)
-                self.send_control(peer, blob)
-            self.control(None)
-        self.abandon()
 
 
 class PointToPoint(Transport):
@@ -259,7 +257,7 @@ class PointToPoint(Transport):
         self._control_recv: list[tuple[torch.Tensor, Any]] = []
 
     def expect_control(self, peer: int) -> Any:
-        blob = torch.empty(_header.SIZE, dtype=torch.uint8)
+        blob = torch.empty(self.control_bytes, dtype=torch.uint8)
         # Kept with the transport: a posted receive's memory and work must
         # outlive it, even when the call is abandoned.
         self._control_recv.append((blob, self.group.recv([blob], peer, self.tag + _TAGS)))
@@ -270,8 +268,6 @@ class PointToPoint(Transport):
         self._send_work.append((peer, self.group.send([blob], peer, self.tag + _TAGS)))
 
     def control(self, handle: Any) -> torch.Tensor:
-        if handle is None:  # fail(): nothing to wait for, the sends go on
-            return torch.empty(0, dtype=torch.uint8)
         blob: torch.Tensor
         blob, work = self._control_recv[handle]
         if work is not None:
@@ -283,18 +279,18 @@ class PointToPoint(Transport):
         shared = any(into is None and numel for _, _, numel, into in self._recvs)
         buffer = self._shared(self._end) if shared else None
         if buffer is not None:
-            # Kept memory may hold an earlier call's status where this call
+            # Kept memory may hold an earlier call's trailer where this call
             # expects one, and gloo takes a message shorter than posted
             # without a word: a peer that sent too little must not leave an
-            # old status in sight. Statuses end a message; every one is
+            # old trailer in sight. Trailers end a message; every one is
             # cleared before any receive is posted (one in flight is written
             # to at any time), and within its own message only.
             raw = buffer.view(torch.uint8).numpy()
             size = self._dtype.itemsize
             for _, offset, numel, into in self._recvs:
-                if into is None and numel:
+                if into is None and numel and self.trailer_bytes:
                     start, end = offset * size, (offset + numel) * size
-                    raw[max(start, end - _header.STATUS_BYTES) : end] = 0
+                    raw[max(start, end - self.trailer_bytes) : end] = 0
         for peer, offset, numel, into in self._recvs:
             if not numel:
                 self._recv_work.append(None)
@@ -302,8 +298,8 @@ class PointToPoint(Transport):
             target = into.view(-1) if into is not None else buffer[offset : offset + numel]  # type: ignore[index]
             self._recv_work.append(self.group.recv([target], peer, self.tag))
 
-    def send(self, peer: int, wire: torch.Tensor, status: bytes | None = None) -> None:
-        super().send(peer, wire, status)
+    def send(self, peer: int, wire: torch.Tensor, trailer: bytes | None = None) -> None:
+        super().send(peer, wire, trailer)
         message = self._sends[-1][1]
         if message.numel():
             self._send_work.append((peer, self.group.send([message], peer, self.tag)))
@@ -332,9 +328,9 @@ class PointToPoint(Transport):
 class OneAllToAll(Transport):
     """
     One all-to-all of the backend per call, at most one send and one receive
-    per peer: every wire (and status) is copied once, into its place in the
-    send buffer. Headers, where checked, travel in one small all-to-all of
-    their own before the data.
+    per peer: every wire (and trailer) is copied once, into its place in the
+    send buffer. Control messages travel in one small all-to-all of their own
+    before the data.
     """
 
     def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
@@ -344,10 +340,10 @@ class OneAllToAll(Transport):
         self._control_in: torch.Tensor | None = None
         self._pieces: list[tuple[int, torch.Tensor, bytes | None]] = []
 
-    def send(self, peer: int, wire: torch.Tensor, status: bytes | None = None) -> None:
+    def send(self, peer: int, wire: torch.Tensor, trailer: bytes | None = None) -> None:
         # Laid out (copied) once, in flush(): no joined copy first.
         self._dtype = wire.dtype
-        self._pieces.append((peer, wire, status))
+        self._pieces.append((peer, wire, trailer))
 
     def expect(
         self, peer: int, numel: int, dtype: torch.dtype, into: torch.Tensor | None = None
@@ -361,29 +357,32 @@ class OneAllToAll(Transport):
     def send_control(self, peer: int, blob: torch.Tensor) -> None:
         self._control_out[peer] = blob
 
+    def flush_controls(self) -> None:
+        if self._control_in is not None:
+            return
+        # Every rank's control messages to every rank at once.
+        size = self.control_bytes
+        send = torch.zeros(self.world * size, dtype=torch.uint8)
+        for peer, blob in self._control_out.items():
+            send[peer * size : (peer + 1) * size] = blob
+        out = torch.empty_like(send, device=self.device)
+        dist.all_to_all_single(out, send.to(self.device), group=self.group)
+        self._control_in = out.cpu()
+
     def control(self, handle: Any) -> torch.Tensor:
-        if self._control_in is None:
-            # Every rank's headers to every rank at once, the first time one
-            # is read (fail() reads none: it only sends).
-            size = _header.SIZE
-            send = torch.zeros(self.world * size, dtype=torch.uint8)
-            for peer, blob in self._control_out.items():
-                send[peer * size : (peer + 1) * size] = blob
-            out = torch.empty_like(send, device=self.device)
-            dist.all_to_all_single(out, send.to(self.device), group=self.group)
-            self._control_in = out.cpu()
-        if handle is None:
-            return self._control_in
-        return self._control_in[handle * _header.SIZE : (handle + 1) * _header.SIZE]
+        self.flush_controls()  # the first read sends them, where not yet sent
+        assert self._control_in is not None
+        size = self.control_bytes
+        return self._control_in[handle * size : (handle + 1) * size]
 
     def flush(self) -> None:
         if self.world == 1:
             return  # no peers: no communication at all
         send_sizes, recv_sizes = [0] * self.world, [0] * self.world
-        for peer, wire, status in self._pieces:
+        for peer, wire, trailer in self._pieces:
             if send_sizes[peer]:
                 raise AssertionError("qcomm: one all-to-all carries one send per peer")
-            numel = wire.numel() + _status_elements(status, self._dtype)
+            numel = wire.numel() + _trailer_elements(trailer, self._dtype)
             # Aligned, as a point-to-point receive would be (codecs view
             # in-band scales); the peer pads its receive alike.
             send_sizes[peer] = _aligned(numel, self._dtype)
@@ -393,8 +392,8 @@ class OneAllToAll(Transport):
         send = _buffers.take(sum(send_sizes), self._dtype, self.device)
         self._joined.append(send)  # given back once the all-to-all is done
         starts = [sum(send_sizes[:p]) for p in range(self.world)]
-        for peer, wire, status in self._pieces:
-            _write(send[starts[peer] : starts[peer] + send_sizes[peer]], wire, status)
+        for peer, wire, trailer in self._pieces:
+            _write(send[starts[peer] : starts[peer] + send_sizes[peer]], wire, trailer)
         self._pieces = []
         # The all-to-all delivers in peer order: lay the receives out so.
         starts = [sum(recv_sizes[:p]) for p in range(self.world)]
@@ -414,30 +413,30 @@ class OneAllToAll(Transport):
         super().close()
 
 
-def _status_elements(status: bytes | None, dtype: torch.dtype) -> int:
-    return 0 if status is None else _header.status_elements(dtype)
+def _trailer_elements(trailer: bytes | None, dtype: torch.dtype) -> int:
+    return 0 if trailer is None else -(-len(trailer) // dtype.itemsize)
 
 
-def _write(out: torch.Tensor, wire: torch.Tensor, status: bytes | None) -> None:
-    """Writes ``wire`` then ``status`` into ``out``."""
+def _write(out: torch.Tensor, wire: torch.Tensor, trailer: bytes | None) -> None:
+    """Writes ``wire`` then ``trailer`` into ``out``."""
     size = wire.numel() * wire.element_size()
     if out.device.type == "cpu" and wire.device.type == "cpu" and wire.stride(-1) == 1:
         # numpy's copies cost a fraction of torch's per call: on small calls
-        # this is most of what the status costs.
+        # this is most of what the trailer costs.
         raw = out.view(torch.uint8).numpy()
         raw[:size] = wire.view(torch.uint8).numpy()
-        if status is not None:
-            raw[size : size + len(status)] = numpy.frombuffer(status, dtype=numpy.uint8)
+        if trailer is not None:
+            raw[size : size + len(trailer)] = numpy.frombuffer(trailer, dtype=numpy.uint8)
         return
     out[: wire.numel()].copy_(wire)
-    if status is not None:
-        tail = out.view(torch.uint8)[size : size + len(status)]
-        tail.copy_(torch.frombuffer(bytearray(status), dtype=torch.uint8), non_blocking=True)
+    if trailer is not None:
+        tail = out.view(torch.uint8)[size : size + len(trailer)]
+        tail.copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8), non_blocking=True)
 
 
-def _joined(wire: torch.Tensor, status: bytes) -> torch.Tensor:
-    """``wire`` followed by ``status``, in a buffer from ``_buffers`` (give it back)."""
-    size = wire.numel() + _status_elements(status, wire.dtype)
+def _joined(wire: torch.Tensor, trailer: bytes) -> torch.Tensor:
+    """``wire`` followed by ``trailer``, in a buffer from ``_buffers`` (give it back)."""
+    size = wire.numel() + _trailer_elements(trailer, wire.dtype)
     out = _buffers.take(size, wire.dtype, wire.device)
-    _write(out, wire, status)
+    _write(out, wire, trailer)
     return out

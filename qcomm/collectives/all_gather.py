@@ -106,7 +106,7 @@ def all_gather_pooled(
             input.detach(), lengths, forward, call, out_shape, chunk, background=True
         )
         # Named after its forward call, as the other collectives' backward passes.
-        backward_name = f"all_gather_pooled backward of call {call.transport.number}"
+        backward_name = f"all_gather_pooled backward of call {call.number}"
     in_shape, dtype = tuple(input.shape), input.dtype
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:

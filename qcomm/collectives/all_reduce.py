@@ -21,7 +21,6 @@ from qcomm.collectives._args import check_chunk_bytes, check_codec, check_input
 from qcomm.collectives._buffers import lease
 from qcomm.collectives._call import Call, begin
 from qcomm.collectives._exchange import Flat, recv_order, send_order, start_exchange
-from qcomm.collectives._transport import Transport, open_transport
 from qcomm.collectives._wire import checked_decode, is_identity, padded_lengths
 from qcomm.types import CodecInfo, NoOpQuantizedCommCodec
 
@@ -331,8 +330,7 @@ def all_reduce(
             shard = state.reduce_scatter(codecs[0])
             state.all_gather(codecs[1], shard, average)
         except BaseException:
-            for transport in state.transports:
-                transport.abandon()
+            call.abandon()
             if residuals is not None:
                 residuals.scatter = residuals.gather = None
             raise
@@ -359,21 +357,9 @@ class _Call:
         self.lengths = [bounds[r + 1] - bounds[r] for r in range(self.world)]
         self.residuals = residuals
         self.chunk_bytes = chunk_bytes
-        self.transports: list[Transport] = []
 
     def block(self, r: int) -> torch.Tensor:
         return self.buffer[self.bounds[r] : self.bounds[r + 1]]
-
-    def _open(self) -> Transport:
-        # The call's own transport first, then one per later exchange, which
-        # becomes the call's: a failure before its headers is told there.
-        transport = self.call.transport
-        if self.transports:
-            checked = transport.checked
-            transport = open_transport(self.group, self.rank, self.buffer.device, checked)
-            self.call.transport = transport
-        self.transports.append(transport)
-        return transport
 
     def reduce_scatter(self, codec: Any) -> torch.Tensor:
         """Sends every peer its block, returns this rank's summed block (float32 at least)."""
@@ -402,17 +388,9 @@ class _Call:
         acc = own if dtype == buf.dtype else lease((mine,), dtype, buf.device)
         sends = [([r], Flat(self.block(r), padded[r])) for r in peers]
         recvs = [(s, Flat(acc, padded[rank])) for s in recv_order(rank, world) if mine]
-        transport = self._open()
+        self.call.next_exchange("all_reduce reduce-scatter")
         finish = start_exchange(
-            sends,
-            recvs,
-            tap,
-            ctx,
-            transport,
-            buf.dtype,
-            self.chunk_bytes,
-            True,
-            "all_reduce reduce-scatter",
+            sends, recvs, tap, ctx, self.call, buf.dtype, self.chunk_bytes, add=True
         )
         if isinstance(tap, _Tap):
             tap.drain()
@@ -454,17 +432,8 @@ class _Call:
         recvs = [
             (s, Flat(self.block(s), padded[s])) for s in recv_order(rank, world) if self.lengths[s]
         ]
-        transport = self._open()
-        finish = start_exchange(
-            sends,
-            recvs,
-            tap,
-            ctx,
-            transport,
-            buf.dtype,
-            self.chunk_bytes,
-            call="all_reduce all-gather",
-        )
+        self.call.next_exchange("all_reduce all-gather")
+        finish = start_exchange(sends, recvs, tap, ctx, self.call, buf.dtype, self.chunk_bytes)
         if isinstance(tap, _Tap):
             tap.drain()
         finish()

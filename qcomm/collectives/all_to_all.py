@@ -129,7 +129,7 @@ def all_to_all_pooled(
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
         # instead of swapping gradients.
-        backward_name = f"all_to_all_pooled backward of call {call.transport.number}"
+        backward_name = f"all_to_all_pooled backward of call {call.number}"
     dtype = input.dtype
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
@@ -164,10 +164,9 @@ def _pooled_forward(
         recvs,
         codec,
         ctx,
-        call.transport,
+        call,
         x.dtype,
         chunk_bytes,
-        call=call.name,
         local=copy_in_parts(band[rank], x[rows[rank] : rows[rank + 1]]),
         background=True,
     )
@@ -206,10 +205,9 @@ def _pooled_backward(
         recvs,
         codec,
         ctx,
-        call.transport,
+        call,
         dtype,
         chunk_bytes,
-        call=call.name,
         local=copy_in_parts(block[rank], band[rank]),
     )()
     if divide > 1:
@@ -297,7 +295,7 @@ def all_to_all_sequence(
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
         # instead of swapping gradients.
-        backward_name = f"all_to_all_sequence backward of call {call.transport.number}"
+        backward_name = f"all_to_all_sequence backward of call {call.number}"
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
         with begin(backward_name, pg, grad) as back:
@@ -335,10 +333,9 @@ def _sequence_exchange(
         recvs,
         codec,
         ctx,
-        call.transport,
+        call,
         dtype,
         chunk_bytes,
-        call=call.name,
         local=copy_in_parts(flat[ro[rank] : ro[rank + 1]], source[so[rank] : so[rank + 1]]),
         background=True,
     )

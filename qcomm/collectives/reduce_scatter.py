@@ -124,7 +124,7 @@ def reduce_scatter_pooled(
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
         # instead of swapping gradients.
-        backward_name = f"reduce_scatter_pooled backward of call {call.transport.number}"
+        backward_name = f"reduce_scatter_pooled backward of call {call.number}"
     in_shape = tuple(input.shape)
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
