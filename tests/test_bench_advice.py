@@ -73,6 +73,7 @@ def _results(
     codecs = [
         {
             "codec": label,
+            "source": "qcomm",
             "status": "ok",
             "max_rel_error": 2 * errors[label],
             "rms_rel_error": errors[label],

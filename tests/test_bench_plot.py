@@ -72,6 +72,7 @@ def make_results(ops: int = 3, link: bool = False, local: bool = True) -> dict[s
                 {
                     "op": op,
                     "impl": "qcomm" if label in MODEL else label.partition("[")[0].split(":")[0],
+                    "codec": label,
                     "label": label,
                     "pass": "fwd",
                     "size_bytes": size,

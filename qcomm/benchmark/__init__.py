@@ -7,6 +7,11 @@ r"""
 - :mod:`~qcomm.benchmark.session`: one rank's device and process groups; exit codes.
 - :mod:`~qcomm.benchmark.link`: the emulated network link of ``--link``.
 - :mod:`~qcomm.benchmark.measure`: what every rank measures, step by step.
+- :mod:`~qcomm.benchmark.agreement`: the ranks' agreement on whether a step failed.
+- :mod:`~qcomm.benchmark.progress`: the progress bar and the watchdog's heartbeat.
+- :mod:`~qcomm.benchmark.rows`: the report's rows, typed, with what each field means.
+- :mod:`~qcomm.benchmark.figures`: the figures derived from the measured rows.
+- :mod:`~qcomm.benchmark.meta`: what the report says of its run.
 - :mod:`~qcomm.benchmark.candidates`: the codecs measured, and one codec's figures.
 - :mod:`~qcomm.benchmark.series`: the collectives' inputs and what runs them.
 - :mod:`~qcomm.benchmark.timing`: time-budgeted repetition of a call.

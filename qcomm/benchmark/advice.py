@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 from qcomm.benchmark.metrics import predicted_time, relative_spread
+from qcomm.benchmark.rows import CodecRow, Point, codec_rows, points
 from qcomm.errors import CodecError
 from qcomm.ops import CommOp
 from qcomm.specs import parse_registry_string
@@ -161,22 +162,22 @@ class Advice:
         self.pair = f"{self.forward}/{self.backward}"
 
 
-def _largest_forward(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+def _largest_forward(results: dict[str, Any]) -> dict[str, dict[str, Point]]:
     # op -> label -> qcomm's forward point at the run's largest size. The
     # registry's collectives only: the all-reduce's codec is the DDP hook's.
     ops = {op.value for op in CommOp}
-    points = [
+    ours = [
         p
-        for p in results["collectives"]
-        if p["impl"] == "qcomm" and p["op"] in ops and p["pass"] == "fwd" and p["status"] == "ok"
+        for p in points(results)
+        if p.impl == "qcomm" and p.op in ops and p.passes == "fwd" and p.status == "ok"
     ]
-    if not points:
+    if not ours:
         return {}
-    size = max(p["size_bytes"] for p in points)
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for p in points:
-        if p["size_bytes"] == size:
-            out.setdefault(p["op"], {})[p["label"]] = p
+    size = max(p.size_bytes for p in ours)
+    out: dict[str, dict[str, Point]] = {}
+    for p in ours:
+        if p.size_bytes == size:
+            out.setdefault(p.op, {})[p.label] = p
     return out
 
 
@@ -188,27 +189,26 @@ def _measured_at(results: dict[str, Any], gbit_per_s: float) -> bool:
     return rate is not None and math.isclose(rate / 1e9, gbit_per_s, rel_tol=1e-6)
 
 
-def _times(
-    p: dict[str, Any], gbit_per_s: float, measured: bool, floor: float = 0.0
-) -> list[float] | None:
+def _times(p: Point, gbit_per_s: float, measured: bool, floor: float = 0.0) -> list[float] | None:
     # Seconds of a call on the link: the median round first, then every round.
     # Predicted, a call's time without a link limit counts as at least
     # `floor`, the no-op codec's: a codec adds encoding and decoding, and what
     # loopback saves by copying fewer bytes is not the user's network's (on
     # this CPU it moves from run to run and made the advice flip).
     if measured:
-        return [p["latency_s"], *p.get("samples_s", [])]
-    cpu = p.get("unlimited_s")
-    if not cpu or p.get("link_bytes") is None:
+        return None if p.latency_s is None else [p.latency_s, *(p.samples_s or [])]
+    cpu, link_bytes = p.unlimited_s, p.link_bytes
+    if not cpu or link_bytes is None:
         return None
     rate = gbit_per_s * 1e9 / 8
-    rounds = p.get("unlimited_samples_s") or []
-    return [predicted_time(p["link_bytes"], rate, max(s, floor)) for s in (cpu, *rounds)]
+    rounds = p.unlimited_samples_s or []
+    return [predicted_time(link_bytes, rate, max(s, floor)) for s in (cpu, *rounds)]
 
 
-def _floor(points: dict[str, dict[str, Any]]) -> float:
+def _floor(points: dict[str, Point]) -> float:
     # The no-op codec's time without a link limit (_times).
-    return float(points.get("noop", {}).get("unlimited_s") or 0.0)
+    noop = points.get("noop")
+    return float(noop.unlimited_s or 0.0) if noop is not None else 0.0
 
 
 def speedups(
@@ -231,17 +231,17 @@ def speedups(
     real = results["meta"].get("local") is False
     measured = real or (not predicted and _measured_at(results, gbit_per_s))
     out: dict[str, dict[str, Speedup]] = {}
-    for op, points in _largest_forward(results).items():
-        base = _times(points["noop"], gbit_per_s, measured) if "noop" in points else None
+    for op, by_label in _largest_forward(results).items():
+        base = _times(by_label["noop"], gbit_per_s, measured) if "noop" in by_label else None
         if base is None:
             continue
         figures = {}
-        for label, p in points.items():
-            floor = 0.0 if label == "noop" else _floor(points)
+        for label, p in by_label.items():
+            floor = 0.0 if label == "noop" else _floor(by_label)
             times = _times(p, gbit_per_s, measured, floor)
             if times is None:
                 continue
-            ratio = 1.0 if label == "noop" else p.get("compression_ratio") or 1.0
+            ratio = 1.0 if label == "noop" else p.compression_ratio or 1.0
             figures[label] = Speedup(base[0] / times[0], measured, ratio)
         out[op] = figures
     return out
@@ -264,8 +264,8 @@ def run_spread(results: dict[str, Any], gbit_per_s: float) -> float:
     """
     measured = _measured_at(results, gbit_per_s)
     spreads = []
-    for points in _largest_forward(results).values():
-        for p in points.values():
+    for by_label in _largest_forward(results).values():
+        for p in by_label.values():
             times = _times(p, gbit_per_s, measured)
             if times is not None:
                 spreads.append(relative_spread(times[1:]))
@@ -290,10 +290,10 @@ def cpu_limits(results: dict[str, Any]) -> dict[str, float]:
     if results["meta"].get("local") is False:
         return {}
     out = {}
-    for op, points in _largest_forward(results).items():
-        noop = points.get("noop", {})
-        if noop.get("unlimited_s") and noop.get("link_bytes"):
-            out[op] = noop["link_bytes"] * 8 / noop["unlimited_s"] / 1e9
+    for op, by_label in _largest_forward(results).items():
+        noop = by_label.get("noop")
+        if noop is not None and noop.unlimited_s and noop.link_bytes:
+            out[op] = noop.link_bytes * 8 / noop.unlimited_s / 1e9
     return out
 
 
@@ -370,13 +370,13 @@ def error_budget(
     budget = parse_max_error(max_error)
     if isinstance(budget, float):
         return budget, f"RMS error at most {budget:g} (--max-error)"
-    rows = {r["codec"]: r for r in results["codecs"] if r["status"] == "ok"}
+    rows = _measured(results)
     if budget not in rows:
         raise ValueError(
             f"--max-error: expected a relative RMS error such as 1e-2, or a codec this "
             f"run measured ({', '.join(rows)}), got {max_error!r}"
         )
-    limit = rows[budget]["rms_rel_error"]
+    limit = rows[budget][1]
     return limit, f"as good as {budget} (RMS error at most {limit:.2g}, --max-error)"
 
 
@@ -406,6 +406,23 @@ def parse_max_error(text: str | float) -> float | str:
     if not 0 < limit < math.inf:
         raise ValueError(f"--max-error: expected a positive number, got {text!r}")
     return limit
+
+
+def _measured(results: dict[str, Any]) -> dict[str, tuple[CodecRow, float]]:
+    # The codecs measured, each with its RMS error.
+    return {
+        r.codec: (r, r.rms_rel_error)
+        for r in codec_rows(results)
+        if r.status == "ok" and r.rms_rel_error is not None
+    }
+
+
+def _bits(row: CodecRow) -> float:
+    return 0.0 if row.bits_per_element is None else row.bits_per_element
+
+
+def _max_error(row: CodecRow) -> float:
+    return math.nan if row.max_rel_error is None else row.max_rel_error
 
 
 def _pick(
@@ -455,7 +472,7 @@ def advise(
             (:func:`read_loss_gaps`). Default: ``None``.
     """
     limit, _ = error_budget(results, max_error)
-    rows = {r["codec"]: r for r in results["codecs"] if r["status"] == "ok"}
+    rows = _measured(results)
     spread = run_spread(results, gbit_per_s)
     out = []
     for op, figures in speedups(results, gbit_per_s).items():
@@ -463,14 +480,15 @@ def advise(
         noise = [label for label, f in figures.items() if f.noise]
         left_out, allowed = [], []
         for label, figure in figures.items():
-            row = rows.get(label)
-            if row is None or label in noise:
+            measured = rows.get(label)
+            if measured is None or label in noise:
                 continue
+            row, rms = measured
             gap = gaps.get(label)
-            if op == CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value and not row.get("summable"):
+            if op == CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value and not row.summable:
                 continue  # not a candidate at all: the wire would be summed
-            if row["rms_rel_error"] > limit:
-                why = f"RMS error {row['rms_rel_error']:.2g} over {limit:.2g}"
+            if rms > limit:
+                why = f"RMS error {rms:.2g} over {limit:.2g}"
                 left_out.append((label, _left_out_text(label, figure, why)))
             elif max_error is None and gap and gap["significant"] and gap["held_out_gap"] > 0:
                 why = f"training loss gap +{gap['held_out_gap']:.4f}, significant"
@@ -479,9 +497,9 @@ def advise(
                 allowed.append(label)
         if "noop" not in allowed:
             continue
-        errors = {label: rows[label]["rms_rel_error"] for label in allowed}
+        errors = {label: rows[label][1] for label in allowed}
         forward, close = _pick(allowed, figures, errors, spread)
-        casts = [label for label in allowed if rows[label]["bits_per_element"] >= _BACKWARD_BITS]
+        casts = [label for label in allowed if _bits(rows[label][0]) >= _BACKWARD_BITS]
         backward, _ = _pick(casts, figures, errors, spread)
         f, b = figures[forward].value, figures[backward].value
         best = figures[forward]
@@ -492,8 +510,8 @@ def advise(
                 backward=backward,
                 speedup=2 / (1 / f + 1 / b),
                 forward_speedup=f,
-                max_rel_error=rows[forward]["max_rel_error"],
-                rms_rel_error=rows[forward]["rms_rel_error"],
+                max_rel_error=_max_error(rows[forward][0]),
+                rms_rel_error=rows[forward][1],
                 gbit_per_s=gbit_per_s,
                 measured=best.measured,
                 # What the budget traded: codecs that would have gained 5% more.

@@ -13,6 +13,7 @@ from typing import Any
 from qcomm.benchmark.advice import advice_rates, cpu_limits, expected_speedups, speedups
 from qcomm.benchmark.candidates import FBGEMM_FORMATS
 from qcomm.benchmark.options import OP_TITLES, format_size
+from qcomm.benchmark.rows import codec_rows, points
 
 __all__ = ["draw", "write_plot"]
 
@@ -89,7 +90,7 @@ def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> l
         ax.axvline(cpu, color="firebrick", linestyle="-.", linewidth=1.2)
         mark(cpu, f"this CPU: {cpu:.3g} Gbit/s;\nabove it the CPU,\nnot the link, limits", True)
     link = results.get("link")
-    size = max(p["size_bytes"] for p in results["collectives"])
+    size = max(p.size_bytes for p in points(results))
     if link and link.get("rate_bps"):
         rate = link["rate_bps"] / 1e9
         # The speed-ups measured on the link, as the tables and the advice
@@ -152,18 +153,17 @@ def _spread_ends(ax: Any, labels: list[Any], renderer: Any) -> None:
 def _error_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> list[Any]:
     # Returns the points' labels, placed by _place_labels once laid out.
     shown = [
-        r for r in results["codecs"] if r["status"] == "ok" and r.get("rms_rel_error")
+        (r.codec, r.source == "fbgemm", r.bits_per_element, r.rms_rel_error)
+        for r in codec_rows(results)
+        if r.status == "ok" and r.rms_rel_error and r.bits_per_element is not None
     ]  # an exact codec has no place on a log scale
-    xy = [(r["bits_per_element"], r["rms_rel_error"]) for r in shown]
+    xy = [(x, y) for _, _, x, y in shown]
     labels = []
-    for r, (x, y) in zip(shown, xy):
-        fbgemm = r["source"] == "fbgemm"
-        ax.scatter(
-            x, y, marker="x" if fbgemm else "o", s=60, color=color[_family(r["codec"])], zorder=3
-        )
+    for codec, fbgemm, x, y in shown:
+        ax.scatter(x, y, marker="x" if fbgemm else "o", s=60, color=color[_family(codec)], zorder=3)
         labels.append(
             ax.annotate(
-                r["codec"], (x, y), textcoords="offset points", xytext=_SPOTS[0],
+                codec, (x, y), textcoords="offset points", xytext=_SPOTS[0],
                 va="center", fontsize=8,
             )
         )  # fmt: skip
@@ -214,13 +214,14 @@ def _bandwidth_panel(
     # bare dotted. Adds each series' line to handles, for the row's legend.
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
-    points = [p for p in results["collectives"] if p["status"] == "ok" and p["pass"] == "fwd"]
-    sizes = sorted({p["size_bytes"] for p in results["collectives"]})
-    for label in dict.fromkeys(p["label"] for p in results["collectives"]):
+    every = points(results)
+    timed = [p for p in every if p.status == "ok" and p.passes == "fwd"]
+    sizes = sorted({p.size_bytes for p in every})
+    for label in dict.fromkeys(p.label for p in every):
         line = sorted(
-            (p["size_bytes"], p["busbw_GBps"])
-            for p in points
-            if p["op"] == op and p["label"] == label
+            (p.size_bytes, p.busbw_GBps)
+            for p in timed
+            if p.op == op and p.label == label and p.busbw_GBps is not None
         )
         if not line:
             continue
@@ -266,10 +267,11 @@ def draw(results: dict[str, Any]) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    ops = list(dict.fromkeys(p["op"] for p in results["collectives"]))
-    labels = list(dict.fromkeys(p["label"] for p in results["collectives"]))
+    every = points(results)
+    ops = list(dict.fromkeys(p.op for p in every))
+    labels = list(dict.fromkeys(p.label for p in every))
     families = list(
-        dict.fromkeys(_family(name) for name in [*(r["codec"] for r in results["codecs"]), *labels])
+        dict.fromkeys(_family(name) for name in [*(r.codec for r in codec_rows(results)), *labels])
     )
     palette = [colormaps["tab10"](i) for i in range(10)] + [colormaps["Dark2"](i) for i in range(8)]
     color = {name: palette[i % len(palette)] for i, name in enumerate(families)}
@@ -281,7 +283,7 @@ def draw(results: dict[str, Any]) -> Any:
     top, bottom = rows
     speedup_ax, error_ax = top.subplots(1, 2)
     ends = _speedup_panel(speedup_ax, results, color)
-    points = _error_panel(error_ax, results, color)
+    marks = _error_panel(error_ax, results, color)
     if bottom is not None:
         handles: dict[str, Any] = {}
         for ax, op in zip(bottom.subplots(1, len(ops), squeeze=False)[0], ops):
@@ -303,7 +305,7 @@ def draw(results: dict[str, Any]) -> Any:
     fig.set_layout_engine("none")
     renderer = canvas.get_renderer()
     _spread_ends(speedup_ax, ends, renderer)
-    _place_labels(error_ax, points, renderer)
+    _place_labels(error_ax, marks, renderer)
     return fig
 
 

@@ -16,6 +16,18 @@ from qcomm._table import format_table
 from qcomm.benchmark.advice import advice_json, is_noise, speedups
 from qcomm.benchmark.options import OP_TITLES, format_size
 from qcomm.benchmark.plot import write_plot
+from qcomm.benchmark.rows import (
+    CodecRow,
+    DlrmRow,
+    MlpRow,
+    Point,
+    TrainRow,
+    codec_rows,
+    points,
+    to_json,
+    train_rows,
+    units,
+)
 
 __all__ = [
     "TRAIN_MLP_UNITS",
@@ -27,46 +39,12 @@ __all__ = [
     "write_report",
 ]
 
-# What the JSON's fields mean; written into the file itself.
+# What the JSON's keys mean, written into the file itself: the rows' from
+# their fields, and those of the rest of the file.
 UNITS = {
-    "size_bytes": "each rank's float32 buffer (nccl-tests' S), bytes",
-    "latency_s": "median over blocks of the slowest rank's seconds per call",
-    "algbw_GBps": "size_bytes / latency_s, in 1e9 bytes/s",
-    "busbw_GBps": "algbw_GBps * (n - 1) / n, as nccl-tests for all-to-all and reduce-scatter",
-    "speedup": "latency of the baseline (the row named by 'baseline') / latency_s",
-    "encode_GBps": "float32 bytes encoded per second, 1e9 bytes/s",
-    "decode_GBps": "float32 bytes decoded per second, 1e9 bytes/s",
-    "*_roofline_fraction": "throughput / memory-copy throughput of the same float32 tensor",
-    "wire_bytes_per_element": "bytes encode puts on the wire per float32 element",
-    "compression_ratio": "4 / wire_bytes_per_element",
-    "max_rel_error": "max |decoded - x| / max |x| (collectives: against the exact output)",
-    "rms_rel_error": "sqrt(sum (decoded - x)^2 / sum x^2)",
-    "sqnr_db": "10 log10(sum x^2 / sum (decoded - x)^2); null when exact (infinite)",
-    "break_even_GBps": "codec alone, no overlap: (1 - wire/logical) / ((encode_s + decode_s) / "
-    "logical bytes), 1e9 bytes/s",
-    "spread": "interquartile range over median of the repetitions (codecs: the larger of "
-    "encode's and decode's; collectives: of the rounds)",
-    "unlimited_s": "seconds per call with no link limit: loopback, or the emulated link with "
-    "its rate limit lifted",
-    "link_bytes": "wire bytes through a rank's port per call, over the link's measured "
-    "efficiency (TCP_EFFICIENCY without a measured link)",
-    "predicted_s": "sqrt((link_bytes / rate)^2 + unlimited_s^2), at the emulated link's rate",
-    "measured_over_predicted": "latency_s / predicted_s",
-    "break_even_gbit_per_s": "link rate (Gbit/s) below which the codec beats qcomm's noop by "
-    "the model; null when pays_at_every_rate",
-    "pays_at_every_rate": "the codec beats qcomm's noop at every link rate, by the model",
-    "pass": "'fwd': the collective; 'fwd+bwd': the collective and its backward pass together",
-    "latency_min_s, latency_max_s": "fastest and slowest of the timed rounds (samples_s)",
-    "samples_s": "seconds per call of each round (the slowest rank's), in the order run",
-    "link_bound_s": "float32 bytes crossing a rank's port, size_bytes * (n - 1) / n (twice for "
-    "fwd+bwd), over the emulated link's rate, divided by the codec's compression ratio",
-    "x_link_bound": "latency_s / link_bound_s (1.0: the wire's limit)",
-    "vs_torchrec": "latency of TorchRec's alltoall_pooled with fbgemm's codec of the same "
-    "format / latency_s",
+    **units(CodecRow, Point),
     "link.*_GBps": "float32 bytes per second the emulated link carried between ranks 0 and 1, "
     "one way, and each way when both send at once, 1e9 bytes/s",
-    "unlimited_samples_s": "seconds per call of each round with no link limit",
-    "summable": "the codec declares that the backend may sum its wire (CodecInfo.summable)",
     "meta.data_scale": "the codecs' and collectives' inputs are standard normal times this",
     "advice": "the answer: the error budget (max_rms_error), and per link rate (gbit_per_s) "
     "the registry string and per collective the pair, its spec, its expected speed-ups "
@@ -77,49 +55,21 @@ UNITS = {
     "held-out loss gap (loss_gap)",
 }
 
-
-# What the JSON's fields of a --train run mean (its rows: train.series).
-TRAIN_UNITS = {
-    "step_s": "median over rounds of the slowest rank's seconds per training step (forward, "
-    "backward, optimizers)",
-    "step_min_s, step_max_s": "fastest and slowest round (samples_s)",
-    "samples_s": "seconds per step of each round (the slowest rank's), in the order run",
-    "spread": "interquartile range over median of the rounds",
-    "speedup": "step_s of fp32 / step_s",
-    "vs_torchrec": "step_s of TorchRec's codecs with the same pooled all-to-all pair / step_s",
-    "comm_share": "1 - step_s of 'one rank, no collective' / step_s",
-    "loss": "the last step's training loss (BCE), mean over ranks; every series sees the same "
-    "batches from the same weights",
-    "loss_gap": "loss - fp32's loss",
-    "losses": "every step's loss, warm-up included, mean over ranks",
-}
-
-# The same for --train-model mlp.
-TRAIN_MLP_UNITS = {
-    "step_s": "median over rounds of the slowest rank's seconds per training step (forward, "
-    "backward with DDP's gradient all-reduce, SGD)",
-    "step_min_s, step_max_s": TRAIN_UNITS["step_min_s, step_max_s"],
-    "samples_s": TRAIN_UNITS["samples_s"],
-    "spread": TRAIN_UNITS["spread"],
-    "speedup": "step_s of 'default hook' / step_s",
-    "vs_fp16_hook": "step_s of 'fp16_compress_hook' / step_s",
-    "comm_share": TRAIN_UNITS["comm_share"],
-    "loss": "the last step's training loss (MSE), mean over ranks; every series sees the same "
-    "batches from the same weights",
-    "loss_gap": "loss - the default hook's loss",
-    "losses": TRAIN_UNITS["losses"],
-}
+# The same for a --train run (its rows: train.series), and --train-model mlp.
+TRAIN_UNITS = units(DlrmRow)
+TRAIN_MLP_UNITS = units(MlpRow)
 
 
 def jsonable(value: Any) -> Any:
     r"""
     jsonable(value: Any) -> Any
 
-    A copy with every non-finite float replaced by ``None``: JSON has no
-    infinity or NaN (an exact codec's SQNR is infinite).
+    A copy with every row turned into its dict (:func:`~qcomm.benchmark.rows.to_json`)
+    and every non-finite float replaced by ``None``: JSON has no infinity or
+    NaN (an exact codec's SQNR is infinite).
 
     Args:
-        value (Any): nested dicts, lists and scalars.
+        value (Any): nested dicts, lists, rows and scalars.
 
     Examples::
 
@@ -128,6 +78,8 @@ def jsonable(value: Any) -> Any:
     """
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if isinstance(value, (CodecRow, Point, TrainRow)):
+        return jsonable(to_json(value))
     if isinstance(value, dict):
         return {key: jsonable(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -161,24 +113,24 @@ def _codec_table(results: dict[str, Any]) -> str:
         "spread",
     ]
     rows = []
-    for r in results["codecs"]:
-        if r["status"] != "ok":
-            rows.append([r["codec"], "failed", *[""] * (len(header) - 2)])
+    for r in codec_rows(results):
+        if r.status != "ok":
+            rows.append([r.codec, "failed", *[""] * (len(header) - 2)])
             continue
         rows.append(
             [
-                r["codec"],
-                _num(r["bits_per_element"]),
-                _num(r["compression_ratio"]),
-                _num(r["encode_GBps"]),
-                _num(r["encode_roofline_fraction"], 2),
-                _num(r["decode_GBps"]),
-                _num(r["decode_roofline_fraction"], 2),
-                _num(r["max_rel_error"], 2),
-                _num(r["rms_rel_error"], 2),
-                _num(r["sqnr_db"]),
-                _num(r["break_even_GBps"]),
-                f"{100 * r.get('spread', 0.0):.0f}%",
+                r.codec,
+                _num(r.bits_per_element),
+                _num(r.compression_ratio),
+                _num(r.encode_GBps),
+                _num(r.encode_roofline_fraction, 2),
+                _num(r.decode_GBps),
+                _num(r.decode_roofline_fraction, 2),
+                _num(r.max_rel_error, 2),
+                _num(r.rms_rel_error, 2),
+                _num(r.sqnr_db),
+                _num(r.break_even_GBps),
+                f"{100 * (r.spread or 0.0):.0f}%",
             ]
         )
     return format_table(header, rows, text_columns=1)
@@ -186,13 +138,14 @@ def _codec_table(results: dict[str, Any]) -> str:
 
 def _collective_tables(results: dict[str, Any], passes: str) -> list[str]:
     tables = []
-    sizes = sorted({p["size_bytes"] for p in results["collectives"]})
-    for op in dict.fromkeys(p["op"] for p in results["collectives"]):
-        points = [p for p in results["collectives"] if p["op"] == op and p["pass"] == passes]
-        if not points:
+    every = points(results)
+    sizes = sorted({p.size_bytes for p in every})
+    for op in dict.fromkeys(p.op for p in every):
+        these = [p for p in every if p.op == op and p.passes == passes]
+        if not these:
             continue
-        labels = list(dict.fromkeys(p["label"] for p in points))
-        cells = {(p["label"], p["size_bytes"]): p for p in points}
+        labels = list(dict.fromkeys(p.label for p in these))
+        cells = {(p.label, p.size_bytes): p for p in these}
         rows = []
         for label in labels:
             row = [label]
@@ -200,10 +153,10 @@ def _collective_tables(results: dict[str, Any], passes: str) -> list[str]:
                 p = cells.get((label, size))
                 if p is None:
                     row.append("")
-                elif p["status"] != "ok":
+                elif p.status != "ok":
                     row.append("failed")
                 else:
-                    row.append(f"{_num(p['busbw_GBps'])} {_speedup(p)}")
+                    row.append(f"{_num(p.busbw_GBps)} {_speedup(p)}")
             rows.append(row)
         title = OP_TITLES.get(op, op) + ("" if passes == "fwd" else ", forward+backward")
         header = [title, *[format_size(s) for s in sizes]]
@@ -211,15 +164,15 @@ def _collective_tables(results: dict[str, Any], passes: str) -> list[str]:
     return tables
 
 
-def _speedup(p: dict[str, Any]) -> str:
+def _speedup(p: Point) -> str:
     # A codec's speed-up over the no-op codec (or TorchRec's over TorchRec
     # without codec) above its compression ratio is noise; the bare series
     # compare transports, which no ratio bounds.
-    if p["speedup"] is None:
+    if p.speedup is None:
         return "-"
-    if p["impl"] != "bare" and is_noise(p["speedup"], p.get("compression_ratio")):
+    if p.impl != "bare" and is_noise(p.speedup, p.compression_ratio):
         return "noise"
-    return f"x{p['speedup']:.2f}"
+    return f"x{p.speedup:.2f}"
 
 
 def _ms(seconds: float | None) -> str:
@@ -234,45 +187,43 @@ def _detail_tables(results: dict[str, Any]) -> list[str]:
     # The largest size of each collective, every figure of a row: time with
     # its spread, speed-up and what the compression ratio promises, against
     # the link's bound and against TorchRec.
-    points = results["collectives"]
-    if not points:
+    every = points(results)
+    if not every:
         return []
-    size = max(p["size_bytes"] for p in points)
-    linked = any(p.get("link_bound_s") for p in points)
-    modelled = any(p.get("predicted_s") for p in points)
+    size = max(p.size_bytes for p in every)
+    linked = any(p.link_bound_s for p in every)
+    modelled = any(p.predicted_s for p in every)
     header = ["series", "pass", "ms", "min-max ms", "speed-up", "ratio"]
     header += ["bound ms", "x bound"] if linked else []
     header += ["unlimited ms", "predicted ms", "meas/pred"] if modelled else []
     header += ["pays below Gbit/s", "vs TorchRec"]
     tables = []
-    for op in dict.fromkeys(p["op"] for p in points):
+    for op in dict.fromkeys(p.op for p in every):
         rows = []
-        for p in points:
-            if p["op"] != op or p["size_bytes"] != size:
+        for p in every:
+            if p.op != op or p.size_bytes != size:
                 continue
-            if p["status"] != "ok":
-                rows.append([p["label"], p["pass"], "failed", *[""] * (len(header) - 3)])
+            if p.status != "ok":
+                rows.append([p.label, p.passes, "failed", *[""] * (len(header) - 3)])
                 continue
             row = [
-                p["label"],
-                p["pass"],
-                _ms(p["latency_s"]),
-                f"{_ms(p['latency_min_s'])}-{_ms(p['latency_max_s'])}",
+                p.label,
+                p.passes,
+                _ms(p.latency_s),
+                f"{_ms(p.latency_min_s)}-{_ms(p.latency_max_s)}",
                 _speedup(p),
-                _num(p.get("compression_ratio")),
+                _num(p.compression_ratio),
             ]
             if linked:
-                row += [_ms(p.get("link_bound_s")), _times([p.get("x_link_bound")])]
+                row += [_ms(p.link_bound_s), _times([p.x_link_bound])]
             if modelled:
                 row += [
-                    _ms(p.get("unlimited_s")),
-                    _ms(p.get("predicted_s")),
-                    _times([p.get("measured_over_predicted")]),
+                    _ms(p.unlimited_s),
+                    _ms(p.predicted_s),
+                    _times([p.measured_over_predicted]),
                 ]
-            row.append(
-                "always" if p.get("pays_at_every_rate") else _gbit(p.get("break_even_gbit_per_s"))
-            )
-            row.append("-" if p.get("vs_torchrec") is None else f"x{p['vs_torchrec']:.2f}")
+            row.append("always" if p.pays_at_every_rate else _gbit(p.break_even_gbit_per_s))
+            row.append("-" if p.vs_torchrec is None else f"x{p.vs_torchrec:.2f}")
             rows.append(row)
         title = f"{OP_TITLES.get(op, op)}, {format_size(size)} per rank"
         tables.append(title + ":\n" + format_table(header, rows, text_columns=2))
@@ -282,24 +233,24 @@ def _detail_tables(results: dict[str, Any]) -> list[str]:
 def _against_pytorch(results: dict[str, Any]) -> list[str]:
     # qcomm's DDP hook against PyTorch's own hooks, at the largest size of
     # the all-reduce, all from this run.
-    points = [
+    ours = [
         p
-        for p in results["collectives"]
-        if p["op"] == "all_reduce" and p["impl"] == "qcomm" and p["status"] == "ok"
+        for p in points(results)
+        if p.op == "all_reduce" and p.impl == "qcomm" and p.status == "ok"
     ]
-    if not points:
+    if not ours:
         return []
-    size = max(p["size_bytes"] for p in points)
+    size = max(p.size_bytes for p in ours)
     lines = [
         f"All-reduce, {format_size(size)} per rank: qcomm's DDP hook against PyTorch's, "
         f"same run (their time over qcomm's):"
     ]
-    for p in points:
-        if p["size_bytes"] == size and p["pass"] == "fwd":
-            ratios = [p.get("vs_allreduce_hook"), p.get("vs_fp16_compress_hook")]
+    for p in ours:
+        if p.size_bytes == size and p.passes == "fwd":
+            ratios = [p.vs_allreduce_hook, p.vs_fp16_compress_hook]
             shown = ["-" if r is None else f"x{r:.2f}" for r in ratios]
             lines.append(
-                f"  {p['label']}: {_ms(p['latency_s'])} ms; {shown[0]} against allreduce_hook "
+                f"  {p.label}: {_ms(p.latency_s)} ms; {shown[0]} against allreduce_hook "
                 f"(DDP's default), {shown[1]} against fp16_compress_hook"
             )
     return lines
@@ -401,11 +352,11 @@ def _warnings(results: dict[str, Any]) -> list[str]:
             f"Warning: the machine was busy before the run (load {load[0]:.2f} on {cores} "
             f"cores): timings are slower and noisier than on an idle one."
         )
-    wide = [r["codec"] for r in results["codecs"] if r.get("spread", 0.0) > SPREAD_WARNING]
+    wide = [r.codec for r in codec_rows(results) if (r.spread or 0.0) > SPREAD_WARNING]
     wide += [
-        f"{p['label']} {OP_TITLES.get(p['op'], p['op'])} {format_size(p['size_bytes'])}"
-        for p in results["collectives"]
-        if p["status"] == "ok" and p.get("spread", 0.0) > SPREAD_WARNING
+        f"{p.label} {OP_TITLES.get(p.op, p.op)} {format_size(p.size_bytes)}"
+        for p in points(results)
+        if p.status == "ok" and (p.spread or 0.0) > SPREAD_WARNING
     ]
     if wide:
         shown = ", ".join(wide[:6]) + (f" and {len(wide) - 6} more" if len(wide) > 6 else "")
@@ -490,13 +441,13 @@ def format_report(results: dict[str, Any]) -> str:
             f"on {meta.get('cpu_count')} cores."
         )
     lines += _warnings(results)
-    failures = [(r["codec"], r["error"]) for r in results["codecs"] if r["status"] != "ok"]
+    failures = [(r.codec, r.error) for r in codec_rows(results) if r.status != "ok"]
     # One line per collective and reason, listing the sizes it failed at.
     failed_sizes: dict[tuple[str, str], list[str]] = {}
-    for p in results["collectives"]:
-        if p["status"] != "ok":
-            key = (f"{p['label']} {OP_TITLES.get(p['op'], p['op'])}", _first_line(p["error"]))
-            failed_sizes.setdefault(key, []).append(format_size(p["size_bytes"]))
+    for p in points(results):
+        if p.status != "ok":
+            key = (f"{p.label} {OP_TITLES.get(p.op, p.op)}", _first_line(p.error))
+            failed_sizes.setdefault(key, []).append(format_size(p.size_bytes))
     failures += [
         (f"{name} ({', '.join(sizes)})", error) for (name, error), sizes in failed_sizes.items()
     ]
@@ -505,6 +456,13 @@ def format_report(results: dict[str, Any]) -> str:
         lines += ["", "Failed or unavailable:"]
         lines += [f"  {name}: {_first_line(error)}" for name, error in [*unavailable, *failures]]
     return "\n".join(lines)
+
+
+def _versus(row: TrainRow) -> float | None:
+    # The speed-up over the row's counterpart: TorchRec's codecs, or PyTorch's fp16 hook.
+    if isinstance(row, MlpRow):
+        return row.vs_fp16_hook
+    return row.vs_torchrec if isinstance(row, DlrmRow) else None
 
 
 def format_train_report(results: dict[str, Any]) -> str:
@@ -518,7 +476,7 @@ def format_train_report(results: dict[str, Any]) -> str:
         results (dict[str, Any]): the JSON's content.
     """
     meta, train = results["meta"], results["train"]
-    model, rows = train["model"], train["series"]
+    model, rows = train["model"], train_rows(results)
     link = results.get("link")
     where = f"an emulated {link['spec']} link each way" if link else "loopback"
     if not meta.get("local"):
@@ -536,14 +494,14 @@ def format_train_report(results: dict[str, Any]) -> str:
             f"({model['gradient_bytes'] / 2**20:.3g} MiB of float32 gradients a step), batch "
             f"{model['batch_per_rank']} per rank; {steps}"
         )
-        baseline, versus = "default", ("x fp16 hook", "vs_fp16_hook")
+        baseline, versus = "default", "x fp16 hook"
     else:
         what = (
             f"TorchRec DLRM: {model['tables']} tables of {model['rows']} rows x {model['dim']} "
             f"({model['table_wise']} table-wise, {model['row_wise']} row-wise), batch "
             f"{model['batch_per_rank']} per rank; {steps}"
         )
-        baseline, versus = "fp32", ("x TorchRec", "vs_torchrec")
+        baseline, versus = "fp32", "x TorchRec"
     lines = [
         f"qcomm bench --train: {meta['world_size']} ranks, {meta['backend']} on "
         f"{meta['device']} over {where}, {meta['threads_per_rank']} thread(s) per rank, "
@@ -551,24 +509,25 @@ def format_train_report(results: dict[str, Any]) -> str:
         what,
         "",
     ]
-    header = ["series", "step ms", "min-max ms", "spread", f"x {baseline}", versus[0]]
+    header = ["series", "step ms", "min-max ms", "spread", f"x {baseline}", versus]
     header += ["comm share", "loss", f"gap to {baseline}"]
     table = []
     for r in rows:
-        if r["status"] != "ok":
-            table.append([r["label"], r["status"], *[""] * (len(header) - 2)])
+        if r.status != "ok":
+            table.append([r.label, r.status, *[""] * (len(header) - 2)])
             continue
+        vs = _versus(r)
         table.append(
             [
-                r["label"],
-                _ms(r["step_s"]),
-                f"{_ms(r['step_min_s'])}-{_ms(r['step_max_s'])}",
-                f"{100 * r['spread']:.0f}%",
-                "-" if r["speedup"] is None else f"x{r['speedup']:.2f}",
-                "-" if r[versus[1]] is None else f"x{r[versus[1]]:.2f}",
-                "-" if r["comm_share"] is None else f"{100 * r['comm_share']:.0f}%",
-                "-" if r["loss"] is None else f"{r['loss']:.5f}",
-                "-" if r["loss_gap"] is None else f"{r['loss_gap']:+.2g}",
+                r.label,
+                _ms(r.step_s),
+                f"{_ms(r.step_min_s)}-{_ms(r.step_max_s)}",
+                f"{100 * (r.spread or 0.0):.0f}%",
+                "-" if r.speedup is None else f"x{r.speedup:.2f}",
+                "-" if vs is None else f"x{vs:.2f}",
+                "-" if r.comm_share is None else f"{100 * r.comm_share:.0f}%",
+                "-" if r.loss is None else f"{r.loss:.5f}",
+                "-" if r.loss_gap is None else f"{r.loss_gap:+.2g}",
             ]
         )
     lines += [format_table(header, table, text_columns=1), ""]
@@ -605,17 +564,17 @@ def format_train_report(results: dict[str, Any]) -> str:
             f"Machine load (1-minute average) {load[0][0]:.2f} before, {load[1][0]:.2f} after, "
             f"on {meta.get('cpu_count')} cores."
         )
-    wide = [r["label"] for r in rows if r["status"] == "ok" and r["spread"] > SPREAD_WARNING]
+    wide = [r.label for r in rows if r.status == "ok" and (r.spread or 0.0) > SPREAD_WARNING]
     if wide:
         lines.append(
             f"Warning: {', '.join(wide)} spread over more than {100 * SPREAD_WARNING:.0f}% "
             f"between rounds: the machine was busy; rerun, or give --rounds and "
             f"--train-steps more."
         )
-    failures = [r for r in rows if r["status"] != "ok"]
+    failures = [r for r in rows if r.status != "ok"]
     if failures:
         lines += ["", "Failed or skipped:"]
-        lines += [f"  {r['label']}: {_first_line(r['error'])}" for r in failures]
+        lines += [f"  {r.label}: {_first_line(r.error)}" for r in failures]
     return "\n".join(lines)
 
 

@@ -27,7 +27,6 @@ __all__ = [
     "PYTORCH_HOOKS",
     "Case",
     "Series",
-    "add_pytorch_ratios",
     "all_reduce_series",
     "bare_series",
     "base_input",
@@ -353,42 +352,6 @@ def all_reduce_series(candidates: list[Candidate], chunk_bytes: int | None) -> l
 
     lines.append(Series("bare", "p2p", None, twice))
     return lines
-
-
-def add_pytorch_ratios(points: list[dict[str, Any]]) -> None:
-    r"""
-    add_pytorch_ratios(points: list[dict[str, Any]]) -> None
-
-    Adds to every all-reduce row ``vs_<hook>`` for each of
-    :data:`PYTORCH_HOOKS`: that hook's time over the row's, at the same size
-    and pass (``None`` where either failed).
-
-    Args:
-        points (list[dict[str, Any]]): the collectives' rows.
-
-    Examples::
-
-        >>> rows = [
-        ...     {"op": "all_reduce", "size_bytes": 8, "pass": "fwd", "label": label,
-        ...      "status": "ok", "latency_s": t}
-        ...     for label, t in [("int8", 1.0), ("pytorch[allreduce_hook]", 3.0),
-        ...                      ("pytorch[fp16_compress_hook]", 1.5)]
-        ... ]
-        >>> add_pytorch_ratios(rows)
-        >>> rows[0]["vs_allreduce_hook"], rows[0]["vs_fp16_compress_hook"]
-        (3.0, 1.5)
-    """
-    ours = [p for p in points if p["op"] == DenseOp.ALL_REDUCE.value]
-    times = {
-        (p["size_bytes"], p["pass"], p["label"]): p["latency_s"]
-        for p in ours
-        if p["status"] == "ok"
-    }
-    for p in ours:
-        for name in PYTORCH_HOOKS:
-            theirs = times.get((p["size_bytes"], p["pass"], f"pytorch[{name}]"))
-            ok = theirs is not None and p["status"] == "ok"
-            p[f"vs_{name}"] = theirs / p["latency_s"] if ok else None
 
 
 def run_series(series: Series, case: Case, group: Any, backward: bool = False) -> torch.Tensor:

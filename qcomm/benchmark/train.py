@@ -26,25 +26,21 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 import qcomm
+from qcomm.benchmark.agreement import agreed, agreed_here
 from qcomm.benchmark.link import parse_rate
-from qcomm.benchmark.measure import (
-    _agreed,
-    _agreed_here,
-    _load,
-    _Progress,
-    _step,
-    run_meta,
-)
+from qcomm.benchmark.meta import load, run_meta
 from qcomm.benchmark.metrics import relative_spread
 from qcomm.benchmark.options import TRAIN_ROWS as ROWS
 from qcomm.benchmark.options import TRAIN_WARM_UP_STEPS, BenchConfig
+from qcomm.benchmark.progress import Progress, begin
 from qcomm.benchmark.report import write_report
+from qcomm.benchmark.rows import DlrmRow, TrainRow
 from qcomm.benchmark.session import EXIT_CODEC_FAILED, Session
 from qcomm.benchmark.timing import synchronize
 from qcomm.types import CommOp
@@ -522,10 +518,10 @@ def _build(session: Session, config: BenchConfig, run: _Run, refused: str | None
         )
         return
     if run.series.kind == "local":
-        built, problem = _agreed_here(session, lambda: _local_model(config, session.device))
+        built, problem = agreed_here(session, lambda: _local_model(config, session.device))
     else:
         group = _group(session, config)
-        built, problem = _agreed_here(
+        built, problem = agreed_here(
             session, lambda: _sharded_model(run.series, config, group, session.device)
         )
     if built is None:
@@ -585,7 +581,7 @@ def _block(
         dist.barrier(group=session.work)
         return _train(run, batches, steps, session.device, step)
 
-    times, problem = _agreed(session, timed)
+    times, problem = agreed(session, timed)
     if times is None:
         run.status, run.error = "failed", problem
         return None
@@ -642,7 +638,7 @@ def _reduce_scatter_check(session: Session, group: Any) -> str | None:
 def _refused(session: Session, config: BenchConfig) -> str | None:
     # Why qcomm's exchange does not carry TorchRec's reduce-scatter (None: it does).
     group = _group(session, config)
-    outcome, problem = _agreed(session, lambda: _reduce_scatter_check(session, group))
+    outcome, problem = agreed(session, lambda: _reduce_scatter_check(session, group))
     if outcome is None:
         return _first_line(problem)
     reasons = [f"rank {rank}: {why}" for rank, why in enumerate(outcome) if why]
@@ -654,74 +650,61 @@ def _first_line(text: str | None) -> str:
     return lines[0] if lines else "unknown error"
 
 
-def _row(run: _Run, fields: dict[str, Any]) -> dict[str, Any]:
-    # The series' label, kind and `fields`, its status and its timings.
-    row: dict[str, Any] = {
-        "label": run.series.label,
-        "kind": run.series.kind,
-        **fields,
-        "status": run.status,
-        "error": run.error,
-    }
-    if run.status != "ok" or not run.samples:
-        return row
-    step = statistics.median(run.samples)
-    return {
-        **row,
-        "step_s": step,
-        "step_min_s": min(run.samples),
-        "step_max_s": max(run.samples),
-        "samples_s": list(run.samples),
-        "spread": relative_spread(run.samples),
-    }
+_Row = TypeVar("_Row", bound=TrainRow)
 
 
-#: a row's counterpart in the same run (None: none), from the rows that ran by label
-_Versus = Callable[[dict[str, Any], dict[str, dict[str, Any]]], dict[str, Any] | None]
+def _row(run: _Run, row: _Row) -> _Row:
+    # `row` with its series' timings.
+    if run.status == "ok" and run.samples:
+        row.step_s = statistics.median(run.samples)
+        row.step_min_s, row.step_max_s = min(run.samples), max(run.samples)
+        row.samples_s = list(run.samples)
+        row.spread = relative_spread(run.samples)
+    return row
+
+
+def _over(theirs: TrainRow | None, row: TrainRow) -> float | None:
+    # Their step over the row's, where both ran.
+    if theirs is None or theirs.step_s is None or row.step_s is None:
+        return None
+    return theirs.step_s / row.step_s
 
 
 def _add_figures(
-    rows: list[dict[str, Any]],
+    rows: list[_Row],
     losses: dict[str, list[float]],
     baseline: str,
-    versus: dict[str, _Versus],
-) -> None:
-    # Speed-ups over the baseline series (`speedup`) and over each row's
-    # counterpart of `versus` (under its key), communication shares, and
-    # losses with their gap to the baseline's, all in the same run.
-    ok = {r["label"]: r for r in rows if r["status"] == "ok"}
+    versus: Callable[[_Row, dict[str, _Row]], _Row | None],
+) -> list[float | None]:
+    # Speed-ups over the baseline series (`speedup`), communication shares,
+    # and losses with their gap to the baseline's, all in the same run.
+    # Returns each row's speed-up over its counterpart of `versus`, which the
+    # caller sets under its model's name.
+    ok = {r.label: r for r in rows if r.status == "ok"}
     base, local = ok.get(baseline), ok.get(LOCAL)
+    out: list[float | None] = []
     for r in rows:
-        r.update(speedup=None, **dict.fromkeys(versus), comm_share=None)
-        r.update(loss=None, loss_gap=None, losses=None)
-        if r["status"] != "ok":
+        out.append(_over(versus(r, ok), r) if r.status == "ok" else None)
+        if r.status != "ok":
             continue
-        if base is not None:
-            r["speedup"] = base["step_s"] / r["step_s"]
-        for key, counterpart in versus.items():
-            theirs = counterpart(r, ok)
-            if theirs is not None:
-                r[key] = theirs["step_s"] / r["step_s"]
-        r["losses"] = losses[r["label"]]
-        if r["kind"] == "local":
+        r.speedup = _over(base, r)
+        r.losses = losses[r.label]
+        if r.kind == "local":
             continue  # each rank trained a model of its own: no loss to compare
-        if local is not None:
-            r["comm_share"] = comm_share(local["step_s"], r["step_s"])
-        r["loss"] = r["losses"][-1]
+        if local is not None and local.step_s is not None and r.step_s is not None:
+            r.comm_share = comm_share(local.step_s, r.step_s)
+        r.loss = r.losses[-1]
     for r in rows:
-        if r["loss"] is not None and base is not None:
-            r["loss_gap"] = r["loss"] - base["loss"]
+        if r.loss is not None and base is not None and base.loss is not None:
+            r.loss_gap = r.loss - base.loss
+    return out
 
 
-def _torchrec_counterpart(
-    row: dict[str, Any], ok: dict[str, dict[str, Any]]
-) -> dict[str, Any] | None:
+def _torchrec_counterpart(row: DlrmRow, ok: dict[str, DlrmRow]) -> DlrmRow | None:
     # A qcomm series' TorchRec series with the same pooled all-to-all pair.
-    if row["kind"] != "qcomm":
+    if row.kind != "qcomm":
         return None
-    return next(
-        (r for r in ok.values() if r["kind"] == "torchrec" and r["pair"] == row["pair"]), None
-    )
+    return next((r for r in ok.values() if r.kind == "torchrec" and r.pair == row.pair), None)
 
 
 def _meta(config: BenchConfig, session: Session, started: float, duration: float) -> dict[str, Any]:
@@ -749,17 +732,17 @@ def _run_rounds(
     # interleaved rounds on this rank's batches (`prepare`); on rank 0 the
     # loss of every step of every series that ran, else None.
     blocks = _round_steps(config)
-    progress = _Progress(session.rank == 0, 1 + 2 * len(runs) + len(blocks))
+    progress = Progress(session.rank == 0, 1 + 2 * len(runs) + len(blocks))
     try:
-        _step(session, progress, "batches")
+        begin(session, progress, "batches")
         batches = prepare()
         progress.done()
         for run in runs:
-            _step(session, progress, f"{run.series.label}: build")
+            begin(session, progress, f"{run.series.label}: build")
             build(run)
             progress.done()
         for run in runs:
-            _step(session, progress, f"{run.series.label}: warm-up")
+            begin(session, progress, f"{run.series.label}: warm-up")
             if run.status == "ok":
                 _block(session, run, batches, TRAIN_WARM_UP_STEPS, step)
             progress.done()
@@ -768,7 +751,7 @@ def _run_rounds(
         # from the seed (the same on every rank): a series always run after
         # the same one would pay for what that one leaves behind (caches).
         for r, steps in enumerate(blocks):
-            _step(session, progress, f"round {r + 1}/{len(blocks)}")
+            begin(session, progress, f"round {r + 1}/{len(blocks)}")
             order = list(runs)
             random.Random(config.seed + r).shuffle(order)
             for run in order:
@@ -811,7 +794,7 @@ def run_train(config: BenchConfig, session: Session) -> int:
     """
     started, clock = time.time(), time.perf_counter()
     runs = [_Run(s) for s in train_series(config)]
-    load_before = _load()
+    load_before = load()
     refused: str | None = None
 
     def prepare() -> list[_Batch]:
@@ -834,16 +817,21 @@ def run_train(config: BenchConfig, session: Session) -> int:
     rows = [
         _row(
             run,
-            {
-                "pair": run.series.pair,
-                "registry": run.series.registry,
-                "ddp_hook": f"{run.series.dense}+ef" if run.series.dense else None,
-                "torchrec_transport": run.series.torchrec_transport,
-            },
+            DlrmRow(
+                label=run.series.label,
+                kind=run.series.kind,
+                pair=run.series.pair,
+                registry=run.series.registry,
+                ddp_hook=f"{run.series.dense}+ef" if run.series.dense else None,
+                torchrec_transport=run.series.torchrec_transport,
+                status=run.status,
+                error=run.error,
+            ),
         )
         for run in runs
     ]
-    _add_figures(rows, losses, "fp32", {"vs_torchrec": _torchrec_counterpart})
+    for row, ratio in zip(rows, _add_figures(rows, losses, "fp32", _torchrec_counterpart)):
+        row.vs_torchrec = ratio
     gbps = link_gbps(config)
     train = {
         "model": {
@@ -881,12 +869,12 @@ def _report(
     code; ``started`` and ``clock`` are the run's ``time.time()`` and
     ``time.perf_counter()`` at its start, ``train`` the model and the rows."""
     meta = _meta(config, session, started, time.perf_counter() - clock)
-    meta.update(load_before=load_before, load_after=_load())
+    meta.update(load_before=load_before, load_after=load())
     results = {
         "meta": meta,
         "link": {"spec": config.link, "rate_bps": parse_rate(config.link)} if config.link else None,
         "train": train,
     }
     write_report(results, json_path=config.json_path)
-    failed = any(r["status"] == "failed" and r["kind"] == "qcomm" for r in train["series"])
+    failed = any(r.status == "failed" and r.kind == "qcomm" for r in train["series"])
     return EXIT_CODEC_FAILED if failed else 0

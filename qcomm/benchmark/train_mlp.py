@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 import qcomm
-from qcomm.benchmark.measure import _agreed_here, _load
+from qcomm.benchmark.agreement import agreed_here
+from qcomm.benchmark.meta import load
 from qcomm.benchmark.options import TRAIN_WARM_UP_STEPS, BenchConfig
+from qcomm.benchmark.rows import MlpRow
 from qcomm.benchmark.session import Session
 from qcomm.benchmark.train import (
     LOCAL,
@@ -169,9 +171,7 @@ def _model(
 
 def _build(session: Session, config: BenchConfig, run: _Run) -> None:
     group = None if run.series.kind == "local" else _group(session, config)
-    built, problem = _agreed_here(
-        session, lambda: _model(run.series, config, group, session.device)
-    )
+    built, problem = agreed_here(session, lambda: _model(run.series, config, group, session.device))
     if built is None:
         run.status, run.error = "failed", problem
     else:
@@ -195,6 +195,10 @@ def _hook_name(series: TrainSeries) -> str | None:
     return None
 
 
+def _fp16_hook(row: MlpRow, ok: dict[str, MlpRow]) -> MlpRow | None:
+    return ok.get(FP16_HOOK)
+
+
 def run_train_mlp(config: BenchConfig, session: Session) -> int:
     r"""
     run_train_mlp(config: BenchConfig, session: Session) -> int
@@ -215,7 +219,7 @@ def run_train_mlp(config: BenchConfig, session: Session) -> int:
     """
     started, clock = time.time(), time.perf_counter()
     runs = [_Run(s) for s in mlp_series()]
-    load_before = _load()
+    load_before = load()
     losses = _run_rounds(
         session,
         config,
@@ -226,8 +230,21 @@ def run_train_mlp(config: BenchConfig, session: Session) -> int:
     )
     if losses is None:
         return 0
-    rows = [_row(run, {"ddp_hook": _hook_name(run.series)}) for run in runs]
-    _add_figures(rows, losses, DEFAULT_HOOK, {"vs_fp16_hook": lambda r, ok: ok.get(FP16_HOOK)})
+    rows = [
+        _row(
+            run,
+            MlpRow(
+                label=run.series.label,
+                kind=run.series.kind,
+                ddp_hook=_hook_name(run.series),
+                status=run.status,
+                error=run.error,
+            ),
+        )
+        for run in runs
+    ]
+    for row, ratio in zip(rows, _add_figures(rows, losses, DEFAULT_HOOK, _fp16_hook)):
+        row.vs_fp16_hook = ratio
     parameters = mlp_parameters(config.train_layers, config.train_width)
     train = {
         "model": {
