@@ -2,7 +2,8 @@ r"""
 Codec discovery: entry points of group ``qcomm.codecs``, loaded with stevedore.
 
 One fresh scan of package metadata per call decides what exists, what
-``QCOMM_PLUGINS`` allows and what conflicts, so what is listed is what loads.
+``QCOMM_PLUGINS`` allows and what conflicts; stevedore's ``DriverManager``
+loads the chosen name from that listing, so what is listed is what loads.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from stevedore import NamedExtensionManager
+from stevedore import DriverManager, ExtensionManager
+from stevedore.extension import error_on_conflict
 
 from qcomm.errors import CodecError
 from qcomm.specs import parse_codec_spec
@@ -52,8 +54,9 @@ def _normalize(dist_name: str) -> str:
 
 
 def _scan() -> dict[str, list[CodecEntry]]:
-    # importlib.metadata rather than stevedore's listing: stevedore's cache
-    # drops which distribution an entry point comes from, and that is what
+    # importlib.metadata rather than stevedore's listing: stevedore lists only
+    # through a manager, which imports every plugin (and torch with them), and
+    # its cache drops which distribution an entry point comes from, which
     # conflicts, QCOMM_PLUGINS and `qcomm list` need.
     found: dict[str, list[CodecEntry]] = {}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -133,8 +136,8 @@ def available_codecs() -> list[str]:
     return list(codec_entries())
 
 
-def _entry(name: str) -> CodecEntry:
-    """The one allowed entry of ``name``, or why there is none."""
+def _entry(name: str) -> tuple[CodecEntry, dict[str, list[CodecEntry]]]:
+    """The one allowed entry of ``name`` and all allowed entries, or why there is none."""
     found = _scan()
     allowed = _allowed(found)
     if name not in allowed:
@@ -144,36 +147,38 @@ def _entry(name: str) -> CodecEntry:
         raise CodecError(f"unknown codec {name!r}{hidden}; available codecs: {known}")
     entries = allowed[name]
     # Never pick one of two silently: a model trained with one and served
-    # with the other would differ without anyone knowing.
+    # with the other would differ without anyone knowing. Refused here, not by
+    # stevedore's resolver, which imports both first and names neither's
+    # distribution; that stays as the backstop.
     if len(entries) > 1:
         dists = ", ".join(f"{e.distribution} {e.version} ({e.value})" for e in entries)
         raise CodecError(f"codec {name!r} is registered by several distributions: {dists}")
-    return entries[0]
+    return entries[0], allowed
 
 
-def _reraise(manager: Any, entry_point: Any, err: BaseException) -> None:
-    raise err
-
-
-class _Loader(NamedExtensionManager[Any]):
-    """stevedore, loading the one entry point the scan chose."""
-
-    def __init__(self, entry: CodecEntry) -> None:
-        self._entry_point = importlib.metadata.EntryPoint(
-            name=entry.name, value=entry.value, group=ENTRY_POINT_GROUP
-        )
-        # The scan has already refused conflicts, so no conflict resolver.
-        super().__init__(
-            ENTRY_POINT_GROUP,
-            names=[entry.name],
-            on_load_failure_callback=_reraise,
-            on_missing_entrypoints_callback=None,
-        )
-
-    def list_entry_points(self) -> list[importlib.metadata.EntryPoint]:
-        # stevedore's own listing is cached in-process and on disk, and would
-        # hand out an old entry point after an upgrade: never consult it.
-        return [self._entry_point]
+def _load_factory(name: str, allowed: dict[str, list[CodecEntry]]) -> Any:
+    """The object entry point ``name`` names, imported by stevedore from ``allowed``."""
+    listing = [
+        importlib.metadata.EntryPoint(name=e.name, value=e.value, group=ENTRY_POINT_GROUP)
+        for entries in allowed.values()
+        for e in entries
+    ]
+    # stevedore lists a namespace once per process (ENTRY_POINT_CACHE), from a
+    # disk cache keyed on sys.path mtimes packed as 32-bit floats (two minutes
+    # apart at today's dates): it would miss a plugin installed, or hand out an
+    # old entry point of one upgraded, after its first look, and it would see
+    # the distributions QCOMM_PLUGINS leaves out. So its listing of qcomm's own
+    # namespace is the scan's. No lock: the import runs inside DriverManager and
+    # a plugin may load a codec as it is imported; a thread that reads another
+    # thread's listing reads one as fresh as its own.
+    ExtensionManager.ENTRY_POINT_CACHE[ENTRY_POINT_GROUP] = listing
+    manager: DriverManager[Any] = DriverManager(
+        ENTRY_POINT_GROUP,
+        name,
+        on_missing_entrypoints_callback=None,  # the scan has found it
+        conflict_resolver=error_on_conflict,
+    )
+    return manager.driver
 
 
 # A plugin's package -> (its module object, "distribution version").
@@ -300,12 +305,12 @@ def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
     """
     name, spec_options = parse_codec_spec(spec)
     spec_options.update(options)
-    entry = _entry(name)
+    entry, allowed = _entry(name)
     release = f"{entry.distribution} {entry.version}"
     where = f"codec {name!r} ({entry.value}, distribution {release})"
     _refuse_stale_package(entry, where)
     try:
-        factory = _Loader(entry)[name].plugin
+        factory = _load_factory(name, allowed)
     except Exception as err:
         raise CodecError(f"{where} failed to import: {type(err).__name__}: {err}") from err
     # Now that the namespaces on the way are imported, the package is known.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import torch
 from codec_names import BUILTIN
 from fake_dists import GOOD_CODEC, activate, make_dist
+from stevedore import ExtensionManager
 
 import qcomm
 from qcomm import CodecError, CommOp, NoOpQuantizedCommCodec, QuantizedCommCodecs
@@ -552,6 +554,38 @@ def test_plugin_installed_while_running_is_loaded(tmp_path, monkeypatch):
     assert type(qcomm.load_codec("late")).__module__ == "late_mod"
 
 
+def test_stevedores_own_listing_is_not_what_loads(tmp_path, monkeypatch):
+    # stevedore keeps one listing per namespace for the life of the process;
+    # one made before an upgrade (or by another user of stevedore) is stale.
+    monkeypatch.delenv("QCOMM_PLUGINS", raising=False)
+    make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"})
+    (tmp_path / "stale_mod.py").write_text("raise RuntimeError('the stale entry point ran')\n")
+    activate(tmp_path, monkeypatch)
+    stale = importlib.metadata.EntryPoint("good", "stale_mod:Codec", "qcomm.codecs")
+    monkeypatch.setitem(ExtensionManager.ENTRY_POINT_CACHE, "qcomm.codecs", [stale])
+    assert type(qcomm.load_codec("good")).__module__ == "good_mod"
+    assert "stale_mod" not in sys.modules
+
+
+def test_stevedores_disk_cache_is_not_what_loads(tmp_path):
+    # stevedore's disk cache is keyed on mtimes packed as 32-bit floats (two
+    # minutes apart): an entry_points.txt rewritten within that leaves it stale.
+    make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"})
+    make_dist(tmp_path, "light-codecs", "light_mod", "def X():\n    pass\n", {"light": "X"})
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    prime = "from stevedore import DriverManager; DriverManager('qcomm.codecs', 'light')"
+    _run_python(prime, tmp_path, env=cache)
+    if not (tmp_path / "cache").is_dir():  # off under /tmp or with a .disable file
+        pytest.skip("stevedore keeps no disk cache for this interpreter")
+    entry_points = tmp_path / "good_codecs-1.0.dist-info" / "entry_points.txt"
+    mtime = entry_points.stat().st_mtime_ns
+    with entry_points.open("a") as f:
+        f.write("late = good_mod:Codec\n")
+    os.utime(entry_points, ns=(mtime, mtime))
+    code = "import qcomm; print(type(qcomm.load_codec('late')).__module__)"
+    assert _run_python(code, tmp_path, env=cache).split() == ["good_mod"]
+
+
 def test_plugin_upgraded_under_an_imported_module_is_refused(tmp_path, monkeypatch):
     # Same module name in both versions: the process still holds the old code,
     # which must not be handed out as the new version.
@@ -743,10 +777,11 @@ def _package_dist(root: Any, dist: str, package: str, codecs: dict[str, str], ve
     (info / "entry_points.txt").write_text("\n".join(["[qcomm.codecs]", *lines]) + "\n")
 
 
-def _run_python(code: str, *path: Any) -> str:
-    """Runs ``code`` in a fresh interpreter with ``path`` first on sys.path; its stdout."""
+def _run_python(code: str, *path: Any, env: dict[str, str] | None = None) -> str:
+    """Its stdout, running ``code`` fresh with ``path`` first on sys.path and ``env`` added."""
     env = {
         **os.environ,
+        **(env or {}),
         "PYTHONPATH": os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("QCOMM_PLUGINS", None)
