@@ -1,242 +1,44 @@
-"""Reliability: bad arguments, lying codecs, ranks that disagree, ranks that die,
-malformed wire data and plugin isolation.
+"""Ranks that make different calls: other splits, shapes, dtypes, codecs or
+codec options (even ones only a codec's behaviour shows), another collective,
+another ``QCOMM_VERIFY``. Every rank raises a ``CodecError`` naming the odd
+rank and what differs, and the next call works. The full check (an agreement
+exchange) runs on the first call of each collective on a group, and on every
+call with ``QCOMM_VERIFY=1``; after the first call, each call's headers (with
+``QCOMM_VERIFY=1``) and its in-band statuses (by default) catch what would
+corrupt or hang it. The DDP all-reduce is checked like the other collectives.
 
-One spawn of 3 gloo ranks per transport (forced with ``QCOMM_TRANSPORT``:
-gloo's point-to-point, and the all-to-all NCCL takes) runs the multi-rank cases
-(each reported as its own test, which also checks that the case opened the
-transport it names and no other); every case ends with a valid call whose
-exact result shows that the failures before it sent nothing and left the
-ranks in step. Dead and stalled ranks get spawns of their own with a short
-process-group timeout, on each transport too. Malformed
-wire data and ``qcomm list`` run in fresh interpreters, so that a crash or an
-import is seen instead of taking pytest down or hiding behind earlier imports.
+The multi-rank cases run on the spawn of 3 gloo ranks per transport that
+test_arguments and test_failures share (``three_ranks``).
 """
 
 from __future__ import annotations
 
-import ast
 import functools
-import json
-import os
-import re
-import subprocess
-import sys
-import textwrap
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from codec_names import BUILTIN
-from dist_utils import (
-    TRANSPORTS,
-    Outcome,
-    RankFailure,
-    check_case,
-    outcomes_per_world_size,
-    run_ranks,
-    transport_env,
-    wrong_transport,
-)
-from fake_dists import make_dist
-from test_collectives import (
-    POOLED,
-    CastFP16Codec,
-    ForeignIdentityCodec,
-    RowInt8Codec,
-    check_pooled,
-    expect,
-    run_all,
+from collective_checks import ForeignIdentityCodec, expect, run_all
+from dist_utils import TRANSPORTS
+from test_ddp import Bucket
+from three_ranks import (
+    NaNRefusingCodec,
+    agreement_exchanges,
+    both,
+    check,
+    exact_on,
+    in_step,
+    raises,
+    with_env,
 )
 
 import qcomm
 import qcomm.collectives._agreement as qverify
 import qcomm.collectives._describe as qdescribe
-import qcomm.collectives._transport as qtransport
 from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
-from qcomm.collectives.all_reduce import all_reduce
-
-WORLD = 3
-
-
-def in_step(rank: int, world: int, tag: str) -> None:
-    """A valid exact call: fails unless every rank is at the same point."""
-    batches, dims = POOLED[world][0]
-    check_pooled(rank, world, batches, dims, tag, None)
-
-
-# --------------------------------------------------------------------------
-# Point 1: arguments checked before any communication (what test_collectives'
-# case_validation does not cover).
-
-
-class UncallableEncodeCodec(ForeignIdentityCodec):
-    encode = 5  # type: ignore[assignment]
-
-
-class StringDtypeCodec(ForeignIdentityCodec):
-    @property
-    def quantized_dtype(self) -> Any:
-        return "uint8"
-
-
-class Int16WireCodec(ForeignIdentityCodec):
-    """A correct codec whose wire dtype gloo cannot carry."""
-
-    def encode(self, input_tensor: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        return input_tensor.reshape(-1).round().to(torch.int16)
-
-    def decode(self, input_grad: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        return input_grad.float()
-
-    @property
-    def quantized_dtype(self) -> torch.dtype:
-        return torch.int16
-
-
-def case_arguments(rank: int, world: int) -> None:
-    a2a, rs, seq = qcomm.all_to_all_pooled, qcomm.reduce_scatter_pooled, qcomm.all_to_all_sequence
-    batches, dims = [2] * world, [3] * world
-    x = torch.zeros(sum(batches), dims[rank])
-
-    def codecs(codec: Any) -> QuantizedCommCodecs:
-        return QuantizedCommCodecs(forward=codec, backward=ForeignIdentityCodec())
-
-    cases: list[tuple[type[Exception], tuple[str, ...], Callable[[], Any]]] = [
-        (TypeError, ("input", "dense", "sparse"), lambda: rs(torch.ones(world, 2).to_sparse())),
-        (
-            TypeError,
-            ("codecs.forward.encode", "method", "int"),
-            lambda: a2a(x, batches, dims, codecs=codecs(UncallableEncodeCodec())),
-        ),
-        (
-            TypeError,
-            ("codecs.forward.quantized_dtype", "torch.dtype", "'uint8'"),
-            lambda: rs(x, input_splits=batches, codecs=codecs(StringDtypeCodec())),
-        ),
-        (
-            CodecError,
-            ("codecs.forward", "Int16WireCodec", "torch.int16", "gloo"),
-            lambda: seq(
-                x, input_splits=batches, output_splits=batches, codecs=codecs(Int16WireCodec())
-            ),
-        ),
-        (
-            TypeError,
-            ("input", "gloo", "torch.float8_e4m3fn"),
-            lambda: seq(x.to(torch.float8_e4m3fn), input_splits=batches, output_splits=batches),
-        ),
-        (
-            ValueError,
-            ("QCOMM_VERIFY", "'yes'"),
-            lambda: with_env("yes", lambda: rs(x)),
-        ),
-    ]
-    run_all([functools.partial(expect, e, w, f) for e, w, f in cases])
-    # new_group hands the processes it leaves out a marker, not a group.
-    sub = dist.new_group(list(range(world - 1)))
-    if rank == world - 1:
-        expect(ValueError, ("group", "not a member"), lambda: a2a(x, batches, dims, group=sub))
-    else:
-        y = torch.full((4, 2), float(rank))
-        out = a2a(y, [2] * (world - 1), [2] * (world - 1), group=sub).wait()
-        assert out.tolist() == [[float(k) for k in range(world - 1) for _ in range(2)]] * 2
-    in_step(rank, world, "after-arguments")
-
-
-def with_env(value: str | None, fn: Callable[[], Any]) -> Any:
-    old = os.environ.get(qverify.ENV)
-    if value is None:
-        os.environ.pop(qverify.ENV, None)
-    else:
-        os.environ[qverify.ENV] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop(qverify.ENV, None)
-        else:
-            os.environ[qverify.ENV] = old
-
-
-# --------------------------------------------------------------------------
-# Point 2: an encoded size other than calc_quantized_size raises CodecError
-# naming the codec, before anything is sent; on every path.
-
-
-class BlockLiar(RowInt8Codec):
-    """A block codec (encoded segment by segment) whose wire is a byte too long."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.info = CodecInfo(name="block_liar", bits_per_element=12, error_block=self.ROW)
-
-    def encode(self, input_tensor: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        wire = super().encode(input_tensor, ctx)
-        return torch.cat([wire, wire.new_zeros(1)])
-
-
-class ShortSummableLiar(CastFP16Codec):
-    """Summable (reduce-scatter sums it natively) and a wire one element short."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.info = CodecInfo(name="short_summable_liar", bits_per_element=16, summable=True)
-
-    def encode(self, input_tensor: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        return super().encode(input_tensor, ctx)[1:]
-
-
-class NoInfoLiar(ForeignIdentityCodec):
-    """A foreign codec without info, whose size promise is off by one."""
-
-    def calc_quantized_size(self, input_len: int, ctx: Any = None) -> int:
-        return input_len + 1
-
-
-def case_lying_codecs(rank: int, world: int) -> None:
-    batches, dims = [2] * world, [8] * world
-    x = torch.ones(sum(batches), dims[rank])
-    checks = []
-    for liar, name in (
-        (BlockLiar, "block_liar"),
-        (ShortSummableLiar, "short_summable_liar"),
-        (NoInfoLiar, "NoInfoLiar"),
-    ):
-        pair = QuantizedCommCodecs(forward=liar(), backward=liar())
-        calls = [
-            lambda pair=pair: qcomm.all_to_all_pooled(x, batches, dims, codecs=pair),
-            lambda pair=pair: qcomm.reduce_scatter_pooled(x, codecs=pair),
-            lambda pair=pair: qcomm.all_to_all_sequence(
-                x, input_splits=batches, output_splits=batches, codecs=pair
-            ),
-        ]
-        checks += [
-            lambda call=call, name=name: expect(
-                CodecError, (repr(name), "calc_quantized_size"), call
-            )
-            for call in calls
-        ]
-    run_all(checks)
-    # A backward codec that lies is caught on the backward pass, on every rank.
-    for start in (
-        lambda y, p: qcomm.all_to_all_pooled(y, batches, dims, codecs=p),
-        lambda y, p: qcomm.reduce_scatter_pooled(y, codecs=p),
-        lambda y, p: qcomm.all_to_all_sequence(
-            y, input_splits=batches, output_splits=batches, codecs=p
-        ),
-    ):
-        pair = QuantizedCommCodecs(forward=ForeignIdentityCodec(), backward=BlockLiar())
-        y = x.clone().requires_grad_(True)
-        out = start(y, pair).wait()
-        expect(CodecError, ("'block_liar'", "calc_quantized_size"), out.sum().backward)
-    in_step(rank, world, "after-lies")
-
-
-# --------------------------------------------------------------------------
-# Point 3: ranks that disagree raise CodecError naming the rank and the field.
+from qcomm.collectives.all_reduce import all_reduce, layout
 
 
 class ScaledCodec(ForeignIdentityCodec):
@@ -251,6 +53,49 @@ class ScaledCodec(ForeignIdentityCodec):
 
     def decode(self, input_grad: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         return input_grad / self.scale
+
+
+class HiddenScaleCodec(ForeignIdentityCodec):
+    """A foreign codec keeping its option where only its behaviour shows it."""
+
+    def __init__(self, scale: float) -> None:
+        self.options = {"scale": scale}
+        self.info = CodecInfo(name="scaled", bits_per_element=32)
+
+    def encode(self, input_tensor: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        return input_tensor.reshape(-1) * self.options["scale"]
+
+    def decode(self, input_grad: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        return input_grad / self.options["scale"]
+
+
+class RankPaddedCodec(ForeignIdentityCodec):
+    """Describes itself alike on every rank but pads rows by the rank: the
+    wire sizes differ, which only the call's own headers can see."""
+
+    def padded_size(
+        self, input_tensor: torch.Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: Any
+    ) -> tuple[int, int]:
+        extra = dist.get_rank() if dist.is_initialized() else 0
+        return dim_per_rank[my_rank] + extra, extra
+
+
+def fbgemm_fp16(loss_scale: float | None) -> Any:
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from torchrec.distributed.fbgemm_qcomm_codec import FbgemmQuantizedCommCodec
+
+    return FbgemmQuantizedCommCodec(comm_precision=SparseType.FP16, loss_scale=loss_scale)
+
+
+def exact_all_reduce(group: Any, rank: int, world: int) -> None:
+    """A valid exact all-reduce on ``group``."""
+    got = all_reduce(torch.full((100,), float(rank + 1)), group=group)
+    expected = float(world * (world + 1) // 2)
+    assert torch.equal(got, torch.full((100,), expected)), f"all_reduce gave {got[:4].tolist()}"
+
+
+# --------------------------------------------------------------------------
+# Every call checked (QCOMM_VERIFY=1): the odd rank and the field are named.
 
 
 def disagreements(rank: int, world: int) -> list[tuple[str, Callable[[], Any], dict[int, tuple]]]:
@@ -402,18 +247,14 @@ def case_disagreement(rank: int, world: int) -> None:
     in_step(rank, world, "after-disagreement")
 
 
+# --------------------------------------------------------------------------
+# When the check runs, and what it sees of a codec.
+
+
 def case_verification_modes(rank: int, world: int) -> None:
     """When the agreement exchange runs: first call per (group, op) by default,
     every call with QCOMM_VERIFY=1, never with QCOMM_VERIFY=0."""
-    exchanges: list[str] = []
-    real = qverify.Agreement._exchange
-
-    def counting(self: qverify.Agreement, failed: BaseException | None) -> None:
-        exchanges.append(self.collective)
-        real(self, failed)
-
-    qverify.Agreement._exchange = counting  # type: ignore[method-assign]
-    try:
+    with agreement_exchanges() as exchanges:
         batches, dims = [2] * world, [3] * world
         x = torch.ones(sum(batches), dims[rank])
 
@@ -475,40 +316,7 @@ def case_verification_modes(rank: int, world: int) -> None:
                 mixed, lambda: expect(CodecError, ("different QCOMM_VERIFY", "rank 0"), pooled)
             )
         with_env("1", pooled)
-    finally:
-        qverify.Agreement._exchange = real  # type: ignore[method-assign]
     in_step(rank, world, "after-modes")
-
-
-CASES: dict[str, Callable[[int, int], None]] = {
-    "arguments": case_arguments,
-    "lying_codecs": case_lying_codecs,
-    "disagreement": case_disagreement,
-    "verification_modes": case_verification_modes,
-}
-
-
-def run_case(case: str, rank: int, world: int) -> None:
-    CASES[case](rank, world)
-
-
-@pytest.fixture(scope="module")
-def spawned() -> dict[str, Callable[[int], dict[str, Outcome]]]:
-    return {
-        transport: outcomes_per_world_size(
-            run_case, list(CASES), env=transport_env(transport), timeout=300.0, pg_timeout=20.0
-        )
-        for transport in TRANSPORTS
-    }
-
-
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_multi_rank(
-    transport: str, case: str, spawned: dict[str, Callable[[int], dict[str, Outcome]]]
-) -> None:
-    outcome = spawned[transport](WORLD)[case]
-    check_case(outcome, f"{case} on {WORLD} ranks, {transport}", transport)
 
 
 def test_describe_codec_ignores_device_index_and_address_and_sees_options() -> None:
@@ -528,251 +336,264 @@ def test_describe_codec_ignores_device_index_and_address_and_sees_options() -> N
     assert describe(qcomm.load_codec("mx4")) != describe(qcomm.load_codec("mx4:rounding=floor"))
 
 
+def case_codec_options(rank: int, world: int) -> None:
+    """Codecs differing only in an option the old check could not see."""
+    batches, dims = [2] * world, [4] * world
+    x = torch.ones(sum(batches), dims[rank])
+    odd = rank == world - 1
+
+    def pooled(codecs: QuantizedCommCodecs) -> Any:
+        return qcomm.all_to_all_pooled(x, batches, dims, codecs=codecs).wait()
+
+    pairs = [
+        ("fbgemm loss_scale", fbgemm_fp16(None), fbgemm_fp16(1024.0)),
+        ("foreign option", HiddenScaleCodec(1.0), HiddenScaleCodec(2.0)),
+        ("fp16 loss_scale", qcomm.load_codec("fp16"), qcomm.load_codec("fp16:loss_scale=1024")),
+    ]
+    for label, same, other in pairs:
+        mine = both(other if odd else same)
+        group = dist.new_group()
+
+        def call(mine: QuantizedCommCodecs = mine) -> Any:
+            # The group of the moment, read when called.
+            return qcomm.all_to_all_pooled(
+                x,
+                batches,
+                dims,
+                codecs=mine,
+                group=group,  # noqa: B023
+            ).wait()
+
+        # Checked on every call (the first call of a group and a later one),
+        # then by default (the first call of a new group only).
+        for verify, calls in (("1", 2), (None, 1)):
+            if verify is None:
+                group = dist.new_group()
+            for _ in range(calls):
+                try:
+                    with_env(verify, lambda: raises(CodecError, (f"rank {world - 1}",), call))
+                except AssertionError as err:
+                    raise AssertionError(f"{label}, QCOMM_VERIFY={verify}: {err}") from err
+        pooled(both(same))
+    in_step(rank, world, "codec-options")
+
+
 # --------------------------------------------------------------------------
-# Point 4: a rank that dies or stalls makes the survivors raise within the
-# process group's timeout. run_ranks reports a rank that raised with its
-# traceback; one that hangs is killed after `grace` seconds and has none.
-
-PG_TIMEOUT = 3.0
+# After the first call: each call's headers and its in-band statuses.
 
 
-def start_any(rank: int, world: int, i: int) -> Any:
-    x = torch.full((2 * world, 4), float(i))
-    op = i % 3
-    if op == 0:
-        return qcomm.all_to_all_pooled(x, [2] * world, [4] * world)
-    if op == 1:
-        return qcomm.reduce_scatter_pooled(x)
-    return qcomm.all_to_all_sequence(x, input_splits=[2] * world, output_splits=[2] * world)
-
-
-def dying_rank(rank: int, world: int, scenario: str) -> None:
+def case_after_first_call(rank: int, world: int) -> None:
+    """With QCOMM_VERIFY=1 the headers alone (the full check switched off
+    here) catch splits, codecs and wire sizes that differ, on every call."""
+    real = qverify.Agreement._exchange
+    qverify.Agreement._exchange = lambda self, failed: None  # type: ignore[method-assign]
     try:
-        die_or_survive(rank, world, scenario)
-    except Exception as err:
-        # The survivor's error says which transports it opened.
-        raise RuntimeError(f"opened {dict(qtransport.opened)!r}") from err
+        with_env("1", lambda: after_first_call(rank, world))
+    finally:
+        qverify.Agreement._exchange = real  # type: ignore[method-assign]
+    in_step(rank, world, "after-first-call")
 
 
-def die_or_survive(rank: int, world: int, scenario: str) -> None:
-    if scenario == "exit_mid_run":
-        # Rank 1 exits with calls of its own in flight; rank 0 keeps going.
-        for i in range(400):
-            pending = start_any(rank, world, i)
-            if rank == 1 and i == 25:
-                os._exit(7)
-            pending.wait()
-    elif scenario == "exit_before_first_call":
-        # Rank 0's first call of an op waits in the agreement exchange.
-        if rank == 1:
-            os._exit(7)
-        start_any(rank, world, 0).wait()
-    elif scenario == "stall":
-        # Rank 1 is alive but never calls: only the timeout can end the wait.
-        if rank == 1:
-            time.sleep(120)
-        for i in range(3):
-            start_any(rank, world, i).wait()
-    raise AssertionError(f"{scenario}: rank {rank} finished without noticing the missing rank")
+def after_first_call(rank: int, world: int) -> None:
+    """Splits and backward codecs that differ after a first good call."""
+    batches, dims = [2] * world, [4] * world
+    odd = rank == world - 1
+    group = dist.new_group()
+    x = torch.ones(sum(batches), dims[rank])
+    qcomm.all_to_all_pooled(x, batches, dims, group=group).wait()  # verified, agreeing
+
+    # Splits: a pooled call whose batch sizes differ on one rank.
+    bad = [3, 1] + [2] * (world - 2) if odd else batches
+
+    def pooled_splits() -> Any:
+        return qcomm.all_to_all_pooled(x, bad, dims, group=group).wait()
+
+    raises(CodecError, ("rank",), pooled_splits)
+    # Sequence: one rank expects more rows from rank 0 than it sends.
+    s_in = [1] * world
+    s_out = [2] + [1] * (world - 1) if odd else s_in
+    y = torch.ones(world, 4)
+    qcomm.all_to_all_sequence(y, input_splits=s_in, output_splits=s_in, group=group).wait()
+    expected = ("rank 0", f"rank {world - 1}") if rank in (0, world - 1) else ("rank",)
+    raises(
+        CodecError,
+        expected,
+        lambda: qcomm.all_to_all_sequence(
+            y, input_splits=s_in, output_splits=s_out, group=group
+        ).wait(),
+    )
+    # A backward codec that differs on one rank: the forward is fine, the
+    # backward raises on every rank.
+    fwd = qcomm.load_codec("fp16")
+    bwd = qcomm.load_codec("int8" if odd else "bf16")
+    codecs = QuantizedCommCodecs(forward=fwd, backward=bwd)
+    xg = torch.ones(sum(batches), dims[rank], requires_grad=True)
+    qcomm.all_to_all_pooled(xg, batches, dims, group=group, codecs=both(fwd)).wait()
+    out = qcomm.all_to_all_pooled(xg, batches, dims, group=group, codecs=codecs).wait()
+    raises(CodecError, ("backward", "rank"), lambda: out.sum().backward())
+    # Wire sizes that differ though the codecs describe themselves alike:
+    # with full verification too (it used to abort the process).
+    padded = both(RankPaddedCodec())
+    raises(
+        CodecError,
+        ("wire elements",),
+        lambda: qcomm.all_to_all_pooled(x, batches, dims, group=group, codecs=padded).wait(),
+    )
 
 
-@pytest.mark.parametrize("scenario", ["exit_mid_run", "exit_before_first_call", "stall"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_survivor_raises_when_a_rank_is_gone(transport: str, scenario: str) -> None:
-    # After a rank exits, rank 0 gets 4 timeouts to raise before it is killed;
-    # when rank 0 raises first (stall), the sleeping rank is killed at once.
-    grace = 1.0 if scenario == "stall" else 4 * PG_TIMEOUT
-    with pytest.raises(RankFailure) as info:
-        run_ranks(
-            dying_rank,
-            2,
-            scenario,
-            timeout=90.0,
-            pg_timeout=PG_TIMEOUT,
-            grace=grace,
-            env=transport_env(transport),
+def case_codec_differs_later(rank: int, world: int) -> None:
+    """A later call whose codec differs on the last rank, with the same wire
+    size (its bytes fit what the peers expect): every rank raises, naming the
+    other side, on the forward or the backward pass; the next call works."""
+    odd = rank == world - 1
+    batches, dims = [2] * world, [4] * world
+    group = dist.new_group()
+    fp16 = qcomm.load_codec("fp16")
+    x = torch.ones(sum(batches), dims[rank], requires_grad=True)
+    qcomm.all_to_all_pooled(x, batches, dims, group=group, codecs=both(fp16)).wait()
+    pairs = [
+        ("fp16 loss_scale", fp16, qcomm.load_codec("fp16:loss_scale=1024")),
+        ("bf16 for fp16", fp16, qcomm.load_codec("bf16")),
+        ("foreign option", HiddenScaleCodec(1.0), HiddenScaleCodec(2.0)),
+    ]
+    others = tuple(f"rank {r}" for r in range(world - 1))
+    words = (*others, "made another call") if odd else (f"rank {world - 1}", "made another call")
+    with agreement_exchanges() as exchanges:
+        for label, same, other in pairs:
+            mine = other if odd else same
+            fwd = QuantizedCommCodecs(forward=mine, backward=same)
+            bwd = QuantizedCommCodecs(forward=same, backward=mine)
+
+            def forward(codecs: QuantizedCommCodecs = fwd) -> Any:
+                return qcomm.all_to_all_pooled(x, batches, dims, group=group, codecs=codecs).wait()
+
+            out = qcomm.all_to_all_pooled(x, batches, dims, group=group, codecs=bwd).wait()
+            for passed, call in (("forward", forward), ("backward", out.sum().backward)):
+                try:
+                    raises(CodecError, words, call)
+                except AssertionError as err:
+                    raise AssertionError(f"{label}, {passed}: {err}") from err
+                exact_on(group, rank, world)
+    assert exchanges == [], f"the agreement check ran: {exchanges}"
+    in_step(rank, world, "differs-later")
+
+
+# --------------------------------------------------------------------------
+# The DDP all-reduce: checked on its first call, statuses on every call.
+
+
+def case_all_reduce_mistakes(rank: int, world: int) -> None:
+    """Hooks or all_reduce calls with different codecs raise on the first call
+    of a group (default) and on a later one with QCOMM_VERIFY=1; a later call
+    whose codec differs with the same wire size, or whose reduce-scatter or
+    all-gather codec fails on one rank, raises on every rank by default, and
+    the next all-reduce is exact."""
+    odd = rank == world - 1
+    name = f"rank {world - 1}"
+    group = dist.new_group()
+    n = 100
+    failures: list[str] = []
+
+    def check(label: str, fn: Callable[[], Any]) -> None:
+        # Every rank makes every call, whatever a check says: in step.
+        try:
+            fn()
+        except AssertionError as err:
+            failures.append(f"{label}: {err}")
+
+    def hook(spec: str) -> Callable[[], Any]:
+        state, fn = qcomm.ddp_comm_hook(spec, process_group=group)
+        return lambda: fn(state, Bucket(torch.full((n,), float(rank + 1)))).wait()
+
+    def reduce(buffer: torch.Tensor, **codecs: Any) -> Callable[[], Any]:
+        return lambda: all_reduce(buffer, group=group, **codecs)
+
+    def ones() -> torch.Tensor:
+        return torch.full((n,), float(rank + 1))
+
+    with agreement_exchanges() as exchanges:
+        # The first call: hooks with different codecs, then (a failed check
+        # is not remembered as done) all_reduce calls whose gather codec differs.
+        differ = (f"{name} differs on reduce_codec", "gather_codec", "Int8Codec", "FP16Codec")
+        check(
+            "hooks, first call", lambda: raises(CodecError, differ, hook("int8" if odd else "fp16"))
         )
-    tracebacks = info.value.tracebacks
-    opened = re.search(r"RuntimeError: opened (\{.*\})", tracebacks.get(0, ""))
-    assert opened is not None, f"rank 0 did not say what it opened: {tracebacks}"
-    problem = wrong_transport([ast.literal_eval(opened.group(1))], transport)
-    assert problem is None, problem
-    assert 0 in tracebacks, f"rank 0 hung until killed instead of raising: {tracebacks}"
-    survivor = tracebacks[0]
-    assert "finished without noticing" not in survivor, survivor
-    # It raised from inside a qcomm collective (the wait or the agreement
-    # exchange), with the backend's error.
-    assert "qcomm/collectives" in survivor, survivor
-    if scenario != "stall":
-        assert "exited with code 7" in tracebacks[1], tracebacks
+        gather = qcomm.load_codec("bf16" if odd else "fp16")
+        check(
+            "all_reduce, first call",
+            lambda: raises(
+                CodecError,
+                (f"{name} differs on gather_codec",),
+                reduce(ones(), gather_codec=gather),
+            ),
+        )
+        check("first good call", lambda: exact_all_reduce(group, rank, world))
+        # The hook reduces on its worker's own group, whose first call is
+        # checked on its own: a good one, so that later hook calls are later.
+        check("first good hook call", lambda: hook("fp16")())
+        if exchanges != ["all_reduce"] * 4:
+            failures.append(f"first calls: agreement exchanges {exchanges}")
+        # A later call, checked with QCOMM_VERIFY=1.
+        verified = functools.partial(
+            raises,
+            CodecError,
+            (f"{name} differs on reduce_codec",),
+            hook("int8" if odd else "fp16"),
+        )
+        check("QCOMM_VERIFY=1, later call", lambda: with_env("1", verified))
+        # A later call by default: another codec with the same wire size.
+        said = tuple(f"rank {r}" for r in range(world - 1)) if odd else (name,)
+        check(
+            "later call, bf16 for fp16",
+            lambda: raises(
+                CodecError,
+                ("all_reduce", *said, "made another call"),
+                hook("bf16" if odd else "fp16"),
+            ),
+        )
+        exact_all_reduce(group, rank, world)
+        # A codec failing on the last rank in the reduce-scatter (in the block
+        # it sends first, to rank 0, or in a later one, to rank 1) or in the
+        # all-gather (its own block, summed, then encoded once for all peers).
+        bounds = layout(n, world, 1)
+        words = (
+            ("nan_refusing", "NaN in the input")
+            if odd
+            else ("all_reduce", name, "failed during the call")
+        )
+        for step, block, encodes in (
+            ("reduce_codec", 0, 1),
+            ("reduce_codec", 1, 2),
+            ("gather_codec", world - 1, 1),
+        ):
+            codec = NaNRefusingCodec()
+            buffer = ones()
+            if odd:
+                buffer[bounds[block]] = float("nan")
+            call = reduce(buffer, **{step: codec})
+            check(
+                f"{step} failing in block {block}",
+                functools.partial(raises, CodecError, words, call),
+            )
+            if odd and len(codec.encodes) != encodes:
+                failures.append(f"{step} failing in block {block}: encodes {codec.encodes}")
+            exact_all_reduce(group, rank, world)
+    assert not failures, "\n".join(failures)
+    assert exchanges == ["all_reduce"] * 5, f"agreement exchanges: {exchanges}"
+    in_step(rank, world, "all-reduce-mistakes")
 
 
-# --------------------------------------------------------------------------
-# Point 5: malformed wire data handed to decode raises (ValueError or
-# CodecError) on every installed codec, and garbage bytes of the right size
-# decode to the right length without crashing. In a fresh interpreter, so that
-# an out-of-bounds read that crashes shows as a failure, not a dead pytest.
-
-MALFORMED = textwrap.dedent(
-    """
-    import json, sys, torch, qcomm
-    from qcomm import CodecError
-
-    def malformed(wire):
-        n = wire.numel()
-        yield "truncated by one", wire[:-1]
-        yield "truncated to one element", wire[:1]
-        yield "one element extra", torch.cat([wire, wire[:1]])
-        yield "empty", wire[:0]
-        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                      torch.uint8, torch.int8, torch.int64, torch.float8_e4m3fn):
-            if dtype != wire.dtype:
-                yield f"wrong dtype {dtype}", wire.to(dtype)
-        if wire.element_size() in (1, 2):
-            same = {1: (torch.int8, torch.uint8), 2: (torch.float16, torch.bfloat16)}
-            for dtype in same[wire.element_size()]:
-                if dtype != wire.dtype:
-                    yield f"bytes reinterpreted as {dtype}", wire.view(dtype)
-        yield "not a tensor", wire.tolist()
-        yield "0-D", wire[0]
-        yield "half the bytes", wire[: n // 2 + 1]
-
-    codecs = sys.argv[1:]
-    report = {}
-    gen = torch.Generator().manual_seed(0)
-    for name in codecs:
-        codec = qcomm.load_codec(name)
-        good = codec.encode(torch.randn(96, generator=gen))
-        expected = good.numel()
-        rows = []
-        valid = {codec.calc_quantized_size(n) for n in range(0, 4 * expected + 64)}
-        for label, wire in malformed(good):
-            if isinstance(wire, torch.Tensor) and wire.dtype == good.dtype and wire.numel() in valid:
-                # A length some input encodes to (any length, for a cast):
-                # not malformed, as codecs read wires flat.
-                rows.append([label, "valid wire", str(wire.numel())])
-                continue
-            try:
-                out = codec.decode(wire)
-            except (ValueError, TypeError, CodecError) as err:
-                rows.append([label, "raised", type(err).__name__])
-                continue
-            except Exception as err:
-                rows.append([label, "wrong error", f"{type(err).__name__}: {err}"])
-                continue
-            rows.append([label, "decoded", f"{getattr(out, 'numel', lambda: '?')()} elements"])
-        # A valid wire that is not contiguous, or starts at an odd byte of a
-        # larger buffer (a piece of a received wire), decodes like the wire.
-        reference = codec.decode(good.clone())
-        views = {
-            "strided view": torch.stack([good, good], dim=1).view(-1)[::2],
-            "odd byte offset": torch.cat([good[:1], good])[1:],
-        }
-        for label, wire in views.items():
-            try:
-                same = torch.equal(codec.decode(wire), reference)
-                rows.append([label, "decoded" if same else "decoded differently", ""])
-            except Exception as err:
-                rows.append([label, "raised on valid wire", f"{type(err).__name__}: {err}"])
-        # Garbage content of a valid size and dtype must decode (to anything,
-        # NaN included) without crashing, to the right length.
-        for trial in range(200):
-            blocks = int(torch.randint(1, 9, (), generator=gen))
-            size = codec.calc_quantized_size(32 * blocks)
-            if good.dtype.is_floating_point:
-                bits = torch.randint(0, 256, (size * good.element_size(),), dtype=torch.uint8, generator=gen)
-                junk = bits.view(good.dtype)
-            else:
-                junk = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen).to(good.dtype)
-            try:
-                out = codec.decode(junk)
-                ok = out.numel() >= 32 * blocks and out.dim() == 1
-                rows.append([f"garbage {trial}", "decoded" if ok else "wrong length", str(out.numel())])
-            except Exception as err:
-                rows.append([f"garbage {trial}", "raised on valid size", f"{type(err).__name__}: {err}"])
-        report[name] = rows
-    print(json.dumps(report))
-    """
-)
+CASES: dict[str, Callable[[int, int], None]] = {
+    "disagreement": case_disagreement,
+    "verification_modes": case_verification_modes,
+    "codec_options": case_codec_options,
+    "after_first_call": case_after_first_call,
+    "codec_differs_later": case_codec_differs_later,
+    "all_reduce_mistakes": case_all_reduce_mistakes,
+}
 
 
-def test_malformed_wire_raises_on_every_builtin_codec() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", MALFORMED, *BUILTIN], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, (
-        f"the decoding process died ({out.returncode}):\n{out.stderr[-3000:]}"
-    )
-    report = json.loads(out.stdout)
-    assert sorted(report) == sorted(BUILTIN)
-    problems = []
-    for name, rows in report.items():
-        for label, what, detail in rows:
-            garbage = label.startswith(("garbage", "strided view", "odd byte offset"))
-            if what == "valid wire":
-                continue
-            if (garbage and what != "decoded") or (not garbage and what != "raised"):
-                problems.append(f"{name}: {label}: {what} ({detail})")
-    assert not problems, "\n".join(problems)
-
-
-# --------------------------------------------------------------------------
-# Point 6: `qcomm list` imports no plugin code (tests/test_registry.py covers
-# available_codecs, load_codec and QCOMM_PLUGINS in-process).
-
-WRAPPER = textwrap.dedent(
-    """
-    import atexit, json, sys
-    watched = ("qcomm_builtin", "qcomm_example_codec", "loud_mod", "fbgemm_gpu")
-
-    def report():
-        found = sorted(m for m in sys.modules if m.split(".")[0] in watched)
-        sys.stderr.write("IMPORTED " + json.dumps(found) + "\\n")
-
-    atexit.register(report)
-    from qcomm.cli import main
-    sys.exit(main(sys.argv[1:]))
-    """
-)
-
-
-def run_wrapped(args: list[str], tmp_path: Any, **env: str) -> tuple[str, list[str]]:
-    environ = {**os.environ, "PYTHONPATH": str(tmp_path), **env}
-    out = subprocess.run(
-        [sys.executable, "-c", WRAPPER, *args],
-        capture_output=True,
-        text=True,
-        env=environ,
-        timeout=60,
-    )
-    line = next((line for line in out.stderr.splitlines() if line.startswith("IMPORTED ")), None)
-    assert line is not None, f"no import report (exit {out.returncode}):\n{out.stderr}"
-    return out.stdout, json.loads(line.removeprefix("IMPORTED "))
-
-
-def test_qcomm_list_imports_no_plugin(tmp_path: Any) -> None:
-    # A plugin whose import would end the process: listing must not touch it.
-    make_dist(tmp_path, "loud-codecs", "loud_mod", "raise SystemExit('imported!')\n", {"loud": "X"})
-    stdout, imported = run_wrapped(["list"], tmp_path)
-    assert "loud" in stdout and "int8" in stdout, stdout
-    assert imported == [], f"`qcomm list` imported plugin modules {imported}"
-    # The allow-list hides the distribution, still without importing anything.
-    stdout, imported = run_wrapped(["list"], tmp_path, QCOMM_PLUGINS="qcomm")
-    assert "loud" not in stdout and "int8" in stdout, stdout
-    assert imported == []
-
-
-def test_loading_one_builtin_imports_only_its_module() -> None:
-    code = textwrap.dedent(
-        """
-        import sys, qcomm
-        qcomm.load_codec("fp16")
-        print(" ".join(sorted(m for m in sys.modules if m.startswith(("qcomm_builtin", "qcomm_ex")))))
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    imported = set(out.stdout.split())
-    assert "qcomm_builtin.half" in imported, imported
-    others = {"qcomm_builtin.int8", "qcomm_builtin.fp8", "qcomm_builtin.mx4", "qcomm_example_codec"}
-    assert not imported & others, f"loading fp16 imported {sorted(imported & others)}"
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_multi_rank(transport: str, case: str, request: pytest.FixtureRequest) -> None:
+    check(request, transport, case)

@@ -10,7 +10,7 @@ declares.
 Collectives: each rank runs the same hypothesis test with ``derandomize=True``,
 so both draw the same examples: the global split lists, trailing shape, codec
 and a fault. Valid calls are checked against references computed without
-qcomm (the checks of test_collectives, forward and backward). Faults are
+qcomm (the checks of collective_checks, forward and backward). Faults are
 global invalid arguments (every rank must raise the same error, naming the
 argument), one rank's invalid arguments (that rank raises its error, the other
 a CodecError naming it) and disagreements between ranks (a CodecError naming
@@ -30,10 +30,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from codec_names import BUILTIN
+from collective_checks import check_pooled, check_reduce_scatter, check_sequence
 from dist_utils import run_ranks
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_collectives import check_pooled, check_reduce_scatter, check_sequence
 
 import qcomm
 from qcomm import CodecError
@@ -53,7 +54,9 @@ SETTINGS = settings(
 
 @st.composite
 def codec_specs(draw: st.DrawFn) -> str:
-    name = draw(st.sampled_from(["fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "mx4"]))
+    name = draw(st.sampled_from(BUILTIN))
+    if name == "fp8_e4m3_tensor":  # no options
+        return name
     if name in ("fp16", "bf16"):
         scale = draw(st.one_of(st.none(), st.sampled_from([2.0**-10, 0.5, 3.0, 1024.0])))
         return name if scale is None else f"{name}:loss_scale={scale!r}"

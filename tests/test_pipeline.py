@@ -1,7 +1,7 @@
 """The collectives' pipeline: chunks, transports and what they must not change.
 
 - Cutting a call into chunks changes no bit: for every codec (the built-in
-  plugins and the test-local codecs of ``test_collectives``) and every
+  plugins and the test-local codecs of ``collective_checks``) and every
   collective, forward output and input gradient with tiny chunks, with
   automatic chunks and in one piece are identical, on 2 and 3 ranks, with
   uneven splits, widths that need padding and empty blocks.
@@ -28,8 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import TRANSPORTS, Outcome, check_case, outcomes_per_world_size, transport_env
-from test_collectives import (
+from collective_checks import (
     CODEC_NAMES,
     LOCAL_CODECS,
     CastFP16Codec,
@@ -38,6 +37,7 @@ from test_collectives import (
     pair,
     run_all,
 )
+from dist_utils import TRANSPORTS, Outcome, check_case, outcomes_per_world_size, transport_env
 
 import qcomm
 import qcomm.collectives._exchange as qexchange

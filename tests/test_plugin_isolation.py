@@ -1,13 +1,19 @@
-"""`qcomm check` under codecs that hang or crash it, and the lint rule that the
-core never imports a plugin."""
+"""A plugin reaches qcomm only where it is asked for: `qcomm check` survives
+codecs that hang or crash it, `qcomm list` imports no plugin code, loading one
+built-in codec imports its module only, and a lint rule keeps the core from
+importing a plugin."""
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
+from typing import Any
 
 import pytest
 from fake_dists import GOOD_CODEC, activate, make_dist
@@ -111,3 +117,65 @@ def test_lint_refuses_a_plugin_import_in_the_core(tmp_path):
 
 def test_the_core_imports_no_plugin_today():
     assert _ruff(ROOT, "qcomm").returncode == 0
+
+
+# `qcomm list` and loading one codec import no other plugin code
+# (tests/test_registry.py covers available_codecs, load_codec and
+# QCOMM_PLUGINS in-process).
+
+WRAPPER = textwrap.dedent(
+    """
+    import atexit, json, sys
+    watched = ("qcomm_builtin", "qcomm_example_codec", "loud_mod", "fbgemm_gpu")
+
+    def report():
+        found = sorted(m for m in sys.modules if m.split(".")[0] in watched)
+        sys.stderr.write("IMPORTED " + json.dumps(found) + "\\n")
+
+    atexit.register(report)
+    from qcomm.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def run_wrapped(args: list[str], tmp_path: Any, **env: str) -> tuple[str, list[str]]:
+    environ = {**os.environ, "PYTHONPATH": str(tmp_path), **env}
+    out = subprocess.run(
+        [sys.executable, "-c", WRAPPER, *args],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=60,
+    )
+    line = next((line for line in out.stderr.splitlines() if line.startswith("IMPORTED ")), None)
+    assert line is not None, f"no import report (exit {out.returncode}):\n{out.stderr}"
+    return out.stdout, json.loads(line.removeprefix("IMPORTED "))
+
+
+def test_qcomm_list_imports_no_plugin(tmp_path: Any) -> None:
+    # A plugin whose import would end the process: listing must not touch it.
+    make_dist(tmp_path, "loud-codecs", "loud_mod", "raise SystemExit('imported!')\n", {"loud": "X"})
+    stdout, imported = run_wrapped(["list"], tmp_path)
+    assert "loud" in stdout and "int8" in stdout, stdout
+    assert imported == [], f"`qcomm list` imported plugin modules {imported}"
+    # The allow-list hides the distribution, still without importing anything.
+    stdout, imported = run_wrapped(["list"], tmp_path, QCOMM_PLUGINS="qcomm")
+    assert "loud" not in stdout and "int8" in stdout, stdout
+    assert imported == []
+
+
+def test_loading_one_builtin_imports_only_its_module() -> None:
+    code = textwrap.dedent(
+        """
+        import sys, qcomm
+        qcomm.load_codec("fp16")
+        print(" ".join(sorted(m for m in sys.modules if m.startswith(("qcomm_builtin", "qcomm_ex")))))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    imported = set(out.stdout.split())
+    assert "qcomm_builtin.half" in imported, imported
+    others = {"qcomm_builtin.int8", "qcomm_builtin.fp8", "qcomm_builtin.mx4", "qcomm_example_codec"}
+    assert not imported & others, f"loading fp16 imported {sorted(imported & others)}"

@@ -21,8 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from dist_utils import run_ranks
-from test_collectives import (
+from collective_checks import (
     LOCAL_CODECS,
     ForeignIdentityCodec,
     assert_equal,
@@ -33,6 +32,7 @@ from test_collectives import (
     offsets,
     sum_bound,
 )
+from dist_utils import run_ranks
 
 import qcomm
 from qcomm import QuantizedCommCodecs

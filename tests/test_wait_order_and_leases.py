@@ -1,4 +1,4 @@
-"""Hardening of the collectives, third round (one spawn of 2 gloo ranks):
+"""What ranks do between a call and its backward pass (one spawn of 2 gloo ranks):
 
 - two calls waited for in different orders on the two ranks never swap their
   backward passes: every rank raises a ``CodecError`` (by default, and with
