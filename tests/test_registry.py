@@ -567,23 +567,28 @@ def test_stevedores_own_listing_is_not_what_loads(tmp_path, monkeypatch):
     assert "stale_mod" not in sys.modules
 
 
-def test_stevedores_disk_cache_is_not_what_loads(tmp_path):
+def test_stevedores_disk_cache_is_never_read(tmp_path, monkeypatch):
     # stevedore's disk cache is keyed on mtimes packed as 32-bit floats (two
-    # minutes apart): an entry_points.txt rewritten within that leaves it stale.
+    # minutes apart): an entry_points.txt rewritten within that leaves it
+    # stale. qcomm's load never asks it (the listing is the scan's).
+    from stevedore import _cache
+
+    monkeypatch.delenv("QCOMM_PLUGINS", raising=False)
     make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"})
-    make_dist(tmp_path, "light-codecs", "light_mod", "def X():\n    pass\n", {"light": "X"})
-    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    prime = "from stevedore import DriverManager; DriverManager('qcomm.codecs', 'light')"
-    _run_python(prime, tmp_path, env=cache)
-    if not (tmp_path / "cache").is_dir():  # off under /tmp or with a .disable file
-        pytest.skip("stevedore keeps no disk cache for this interpreter")
-    entry_points = tmp_path / "good_codecs-1.0.dist-info" / "entry_points.txt"
-    mtime = entry_points.stat().st_mtime_ns
-    with entry_points.open("a") as f:
-        f.write("late = good_mod:Codec\n")
-    os.utime(entry_points, ns=(mtime, mtime))
-    code = "import qcomm; print(type(qcomm.load_codec('late')).__module__)"
-    assert _run_python(code, tmp_path, env=cache).split() == ["good_mod"]
+    activate(tmp_path, monkeypatch)
+    asked: list[str] = []
+
+    def stale(group: str) -> list[importlib.metadata.EntryPoint]:
+        asked.append(group)
+        return []
+
+    monkeypatch.delitem(ExtensionManager.ENTRY_POINT_CACHE, "qcomm.codecs", raising=False)
+    monkeypatch.setattr(_cache, "get_group_all", stale)
+    assert type(qcomm.load_codec("good")).__module__ == "good_mod"
+    assert asked == []
+    # The patch is the one stevedore reads without qcomm: it would miss the codec.
+    monkeypatch.delitem(ExtensionManager.ENTRY_POINT_CACHE, "qcomm.codecs", raising=False)
+    assert ExtensionManager("qcomm.codecs").names() == [] and asked == ["qcomm.codecs"]
 
 
 def test_plugin_upgraded_under_an_imported_module_is_refused(tmp_path, monkeypatch):
@@ -777,11 +782,10 @@ def _package_dist(root: Any, dist: str, package: str, codecs: dict[str, str], ve
     (info / "entry_points.txt").write_text("\n".join(["[qcomm.codecs]", *lines]) + "\n")
 
 
-def _run_python(code: str, *path: Any, env: dict[str, str] | None = None) -> str:
-    """Its stdout, running ``code`` fresh with ``path`` first on sys.path and ``env`` added."""
+def _run_python(code: str, *path: Any) -> str:
+    """Its stdout, running ``code`` fresh with ``path`` first on sys.path."""
     env = {
         **os.environ,
-        **(env or {}),
         "PYTHONPATH": os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("QCOMM_PLUGINS", None)

@@ -27,7 +27,7 @@ import torch
 from dist_utils import run_ranks
 
 import qcomm
-from qcomm.collectives import _background, _buffers, _transport, all_to_all
+from qcomm.collectives import _background, _buffers, _layouts, _transport
 
 WORLD = 2
 SIZE = 64 << 20  # float32 bytes per rank
@@ -90,7 +90,7 @@ def _own_copy_order(
     in the background before ``wait()`` was called; and whether the own
     block came out right."""
     events: list[str] = []
-    start: Any = getattr(all_to_all, "start_exchange")  # noqa: B009 - all_to_all's own import of it
+    start: Any = getattr(_layouts, "start_exchange")  # noqa: B009 - _layouts's own import of it
     received = _transport.Transport.received
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -106,7 +106,7 @@ def _own_copy_order(
         events.append("wait")
         return received(self, handle)
 
-    setattr(all_to_all, "start_exchange", recorded)  # noqa: B010
+    setattr(_layouts, "start_exchange", recorded)  # noqa: B010
     _transport.Transport.received = waited  # type: ignore[method-assign]
     try:
         done_before = _background.completed
@@ -118,7 +118,7 @@ def _own_copy_order(
         in_background = _background.completed == done_before + 1
         out = pending.wait()
     finally:
-        setattr(all_to_all, "start_exchange", start)  # noqa: B010
+        setattr(_layouts, "start_exchange", start)  # noqa: B010
         _transport.Transport.received = received  # type: ignore[method-assign]
     mine = slice(rank * batches[rank], (rank + 1) * batches[rank])
     right = torch.equal(out[:, rank * DIM : (rank + 1) * DIM], x[mine])

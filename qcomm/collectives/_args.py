@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives import _backends
+from qcomm.collectives._backends import Backend
 from qcomm.types import (
     CODEC_MEMBERS,
     CodecError,
@@ -56,8 +56,8 @@ def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
     return group, rank, dist.get_world_size(group)
 
 
-def check_input(input: Any, name: str, group: dist.ProcessGroup, ndim: int | None = None) -> None:
-    """Checks a collective's input tensor: type, dtype, layout, dimensions and device."""
+def check_input(input: Any, name: str, backend: Backend, ndim: int | None = None) -> None:
+    """Checks a collective's input tensor: type, dtype, layout, dimensions and device (``backend``: the call's)."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(input).__name__}")
     if not input.is_floating_point():
@@ -74,9 +74,8 @@ def check_input(input: Any, name: str, group: dist.ProcessGroup, ndim: int | Non
         raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
     # A tensor the backend cannot move fails deep inside it (or hangs the
     # peers), so say so here.
-    problem = _backends.device_problem(group, input.device)
-    if problem is not None:
-        raise ValueError(f"{name}: {problem}")
+    if backend.problem is not None:
+        raise ValueError(f"{name}: {backend.problem}")
 
 
 def check_splits(
@@ -115,10 +114,8 @@ def check_splits(
     return out
 
 
-def check_codec(
-    codec: Any, name: str, device: torch.device, group: dist.ProcessGroup | None = None
-) -> None:
-    """Checks that ``codec`` follows the contract, runs on ``device`` and its wire can travel."""
+def check_codec(codec: Any, name: str, backend: Backend) -> None:
+    """Checks that ``codec`` follows the contract, runs on the call's device and its wire can travel."""
     if not isinstance(codec, QuantizedCommCodec):
         missing = [m for m in CODEC_MEMBERS if not hasattr(codec, m)]
         raise TypeError(
@@ -138,12 +135,13 @@ def check_codec(
             f"{name}.quantized_dtype: expected a torch.dtype, got {type(dtype).__name__} {dtype!r}"
         )
     info = codec_info(codec)
+    device = backend.device
     if device.type not in info.devices:
         raise CodecError(
             f"{name}: codec {info.name!r} runs on {', '.join(info.devices)}, "
             f"got a tensor on {device.type}"
         )
-    limit = _backends.dtype_limit(group, device)
+    limit = backend.dtypes
     if limit is not None and dtype not in limit[1]:
         raise CodecError(
             f"{name}: codec {info.name!r} sends {dtype}, which the {limit[0]} backend cannot "
@@ -151,28 +149,26 @@ def check_codec(
         )
 
 
-def resolve_codecs(
-    codecs: Any, dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup | None = None
-) -> tuple[Any, Any]:
+def resolve_codecs(codecs: Any, dtype: torch.dtype, backend: Backend) -> tuple[Any, Any]:
     """The checked forward and backward codecs of a call (no-op codecs for ``codecs=None``)."""
-    if codecs is None:
-        limit = _backends.dtype_limit(group, device)
-        if limit is not None and dtype not in limit[1]:
+    if codecs is not None:
+        if not (hasattr(codecs, "forward") and hasattr(codecs, "backward")):
             raise TypeError(
-                f"input: the {limit[0]} backend cannot carry {dtype} as it is; give codecs "
-                f"that encode it (e.g. fp16) or convert the input"
+                "codecs: expected a qcomm.QuantizedCommCodecs (an object with forward and "
+                f"backward codecs) or None, got {type(codecs).__name__}"
             )
-        # Without codecs the data travels in its own dtype, as with a plain
-        # collective: no cast, no extra bytes.
-        return NoOpQuantizedCommCodec(dtype), NoOpQuantizedCommCodec(dtype)
-    if not (hasattr(codecs, "forward") and hasattr(codecs, "backward")):
+        check_codec(codecs.forward, "codecs.forward", backend)
+        check_codec(codecs.backward, "codecs.backward", backend)
+        return codecs.forward, codecs.backward
+    limit = backend.dtypes
+    if limit is not None and dtype not in limit[1]:
         raise TypeError(
-            "codecs: expected a qcomm.QuantizedCommCodecs (an object with forward and "
-            f"backward codecs) or None, got {type(codecs).__name__}"
+            f"input: the {limit[0]} backend cannot carry {dtype} as it is; give codecs "
+            f"that encode it (e.g. fp16) or convert the input"
         )
-    check_codec(codecs.forward, "codecs.forward", device, group)
-    check_codec(codecs.backward, "codecs.backward", device, group)
-    return codecs.forward, codecs.backward
+    # Without codecs the data travels in its own dtype, as with a plain
+    # collective: no cast, no extra bytes.
+    return NoOpQuantizedCommCodec(dtype), NoOpQuantizedCommCodec(dtype)
 
 
 def check_flag(value: Any, name: str) -> bool:

@@ -7,6 +7,7 @@ and return. The collectives ask here; no other module names a backend.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,6 +87,30 @@ def moves_alone(group: Any, device: torch.device) -> bool:
     on their own (gloo on CPU): the point-to-point transport's condition."""
     name = _of(group, device.type) if device.type == "cpu" else None
     return name in _TABLE and _TABLE[name][2]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What a group's backend does with one device's tensors: what a call asks, once."""
+
+    #: where the call's tensors live
+    device: torch.device
+    #: why the backend cannot move them, or ``None``
+    problem: str | None
+    #: the backend's name and the only dtypes it carries there, or ``None`` for any
+    dtypes: tuple[str, frozenset[torch.dtype]] | None
+    #: whether its point-to-point messages move on their own there
+    moves_alone: bool
+
+
+def backend_of(group: Any, device: torch.device) -> Backend:
+    """What ``group``'s backend does with ``device``'s tensors."""
+    return Backend(
+        device,
+        device_problem(group, device),
+        dtype_limit(group, device),
+        moves_alone(group, device),
+    )
 
 
 def cuda_only(group: Any) -> bool:

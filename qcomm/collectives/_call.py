@@ -8,8 +8,7 @@ check), which raise naming this rank instead of waiting for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -18,7 +17,12 @@ import torch.distributed as dist
 from qcomm.collectives import _header
 from qcomm.collectives._agreement import Agreement, safe_mode
 from qcomm.collectives._args import resolve_group
-from qcomm.collectives._transport import Transport, open_transport
+from qcomm.collectives._backends import Backend, backend_of
+from qcomm.collectives._transport import open_transport
+
+# What the transport carries for the exchange, in sizes only: each message's
+# last part ends with a status, and checked calls send headers first.
+_FRAMING = {"trailer_bytes": _header.STATUS_BYTES, "control_bytes": _header.SIZE}
 
 
 class Call:
@@ -36,34 +40,41 @@ class Call:
         self.group = group
         self.rank = rank
         self.world = world
-        self.device = device
+        #: what the group's backend does with the call's tensors, asked once
+        self.backend: Backend = backend_of(group, device)
         #: whether the call exchanges headers before its data (``QCOMM_VERIFY=1``)
         self.checked = safe_mode() == "always"
         #: whether this rank's headers have gone out on the current transport
         #: (then a failure is told in-band, with the data)
         self.announced = False
-        self.transport = self._open()
+        self.transport = open_transport(group, rank, self.backend, **_FRAMING)
         self._transports = [self.transport]
         self._exchanges = 0
         self._agreement: Agreement | None = None
 
-    def _open(self) -> Transport:
-        return open_transport(
-            self.group,
-            self.rank,
-            self.device,
-            trailer_bytes=_header.STATUS_BYTES,
-            control_bytes=_header.SIZE,
-        )
+    def __enter__(self) -> Call:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # The exception goes on; the peers hear of it first.
+        if isinstance(exc, Exception):
+            self.fail(exc)
 
     @property
     def number(self) -> int:
         """The call's number on its group, alike on every rank."""
         return self.transport.number
 
-    def agreement(self, collective: str, input: Any) -> Agreement:
-        """The agreement check of this call (see :class:`Agreement`)."""
-        self._agreement = Agreement(collective, self.group, self.rank, self.world, input)
+    @property
+    def agreement(self) -> Agreement:
+        """The agreement check of a call begun with its collective's name (see :class:`Agreement`)."""
+        if self._agreement is None:
+            raise AssertionError(f"qcomm: {self.name} was begun without its collective's name")
         return self._agreement
 
     def next_exchange(self, name: str) -> None:
@@ -73,7 +84,7 @@ class Call:
         several exchanges: the all-reduce).
         """
         if self._exchanges:
-            self.transport = self._open()
+            self.transport = open_transport(self.group, self.rank, self.backend, **_FRAMING)
             self._transports.append(self.transport)
             self.announced = False
         self._exchanges += 1
@@ -107,23 +118,22 @@ def _device(input: Any) -> torch.device:
     return torch.device("cpu")
 
 
-@contextmanager
-def begin(name: str, group: Any, input: Any, collective: str | None = None) -> Iterator[Call]:
+def begin(name: str, group: Any, input: Any, collective: str | None = None) -> Call:
     """
-    Opens a call (``collective``: where the peers may check agreement on it);
-    an exception in the ``with`` block is told to every peer, then goes on.
+    Opens a call (``collective``: where the peers may check agreement on it),
+    to be used as a context: an exception in its ``with`` block is told to
+    every peer, then goes on.
     """
+    device = _device(input)
     try:
         pg, rank, world = resolve_group(group)
     except TypeError as err:
         _tell_default_group(name, err, collective)
         raise
-    call = Call(name, pg, rank, world, _device(input))
-    try:
-        yield call
-    except Exception as err:
-        call.fail(err)
-        raise
+    call = Call(name, pg, rank, world, device)
+    if collective is not None:
+        call._agreement = Agreement(collective, pg, rank, world, input)
+    return call
 
 
 def _tell_default_group(name: str, error: BaseException, collective: str | None) -> None:
@@ -134,8 +144,9 @@ def _tell_default_group(name: str, error: BaseException, collective: str | None)
     call = Call(name, pg, rank, world, torch.device("cpu"))
     if collective is not None:
         # Where the peers check agreement on this call, meet them there.
+        call._agreement = Agreement(collective, pg, rank, world, None)
         try:
-            with call.agreement(collective, None):
+            with call.agreement:
                 raise error
         except BaseException:
             pass

@@ -30,11 +30,10 @@ from qcomm.collectives._wire import (
     checked_decode,
     checked_encode,
     encodable,
-    is_identity,
     quantized_sizes,
     wire_dtype,
 )
-from qcomm.types import CodecError, CodecInfo
+from qcomm.types import CodecError, CodecInfo, NoOpQuantizedCommCodec
 
 # Automatic chunking: a region of at most _SMALL elements travels whole;
 # larger ones in up to _MAX_CHUNKS chunks of at least _SMALL elements. More
@@ -167,6 +166,13 @@ def copy_in_parts(target: torch.Tensor, source: torch.Tensor) -> Callable[[int, 
         target[lo:hi].copy_(source[lo:hi])
 
     return copy
+
+
+def is_identity(codec: Any, dtype: torch.dtype) -> bool:
+    """Whether ``codec`` hands data of ``dtype`` over as it is (qcomm's own no-op codec)."""
+    # Only qcomm's own no-op codec is known to hand back what it was given:
+    # its data moves without encoding, or a copy where it can.
+    return type(codec) is NoOpQuantizedCommCodec and codec.quantized_dtype == dtype
 
 
 def _alignment(codec: Any, transport: Transport) -> int | None:

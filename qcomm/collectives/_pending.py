@@ -27,6 +27,7 @@ class _Collective(torch.autograd.Function):
         backward: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         ctx.backward_fn = backward
+        ctx.dtype = input.dtype
         return finish()
 
     @staticmethod
@@ -36,7 +37,9 @@ class _Collective(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, None, None, None]:
         # Every rank's backward exchange runs, also where this rank's input
         # needs no gradient (no tables, frozen ones): its peers wait for it.
-        grad_input = ctx.backward_fn(grad_output)
+        # In the input's dtype, whatever the engine hands over: the backward
+        # pass's wire and result are the input's.
+        grad_input = ctx.backward_fn(grad_output.to(ctx.dtype))
         return (grad_input if ctx.needs_input_grad[0] else None), None, None, None
 
 

@@ -24,7 +24,8 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives import _backends, _buffers, _streams
+from qcomm.collectives import _buffers, _streams
+from qcomm.collectives._backends import Backend
 
 ENV = "QCOMM_TRANSPORT"
 CHOICES = ("point_to_point", "all_to_all")
@@ -63,33 +64,35 @@ def choice() -> str | None:
     )
 
 
-def kind(group: dist.ProcessGroup, device: torch.device) -> str:
-    """The transport a call on ``group`` with tensors on ``device`` takes: one of :data:`CHOICES`."""
+def kind(group: dist.ProcessGroup, backend: Backend) -> str:
+    """The transport a call on ``group`` takes with ``backend``: one of :data:`CHOICES`."""
     forced = choice()
-    if forced == "point_to_point" and not _backends.moves_alone(group, device):
+    if forced == "point_to_point" and not backend.moves_alone:
         raise ValueError(
             f"{ENV}=point_to_point: expected gloo with CPU tensors, got backend "
-            f"{dist.get_backend(group)} with tensors on {device}"
+            f"{dist.get_backend(group)} with tensors on {backend.device}"
         )
     if forced is not None:
         return forced
-    return "point_to_point" if _backends.moves_alone(group, device) else "all_to_all"
+    return "point_to_point" if backend.moves_alone else "all_to_all"
 
 
 def open_transport(
     group: dist.ProcessGroup,
     rank: int,
-    device: torch.device,
+    backend: Backend,
     *,
     trailer_bytes: int = 0,
     control_bytes: int = 0,
 ) -> Transport:
     """
-    The transport of one call. ``trailer_bytes``: the size of the trailer a
-    send may end with (:meth:`Transport.send`); ``control_bytes``: the size of
-    a control message (:meth:`Transport.send_control`).
+    The transport of one call, on ``backend``'s device. ``trailer_bytes``: the
+    size of the trailer a send may end with (:meth:`Transport.send`);
+    ``control_bytes``: the size of a control message
+    (:meth:`Transport.send_control`).
     """
-    how = kind(group, device)
+    how = kind(group, backend)
+    device = backend.device
     number = _calls.get(group, 0)
     _calls[group] = number + 1
     transport: Transport

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from qcomm.types import CodecError, NoOpQuantizedCommCodec, codec_info, read_quantized_dtype
+from qcomm.types import CodecError, codec_info, read_quantized_dtype
 
 T = TypeVar("T")
 
@@ -162,9 +162,3 @@ def checked_decode(
             f"expected {length} elements"
         )
     return out.reshape(-1)
-
-
-def is_identity(codec: Any, dtype: torch.dtype) -> bool:
-    """Whether ``codec`` hands data of ``dtype`` over as it is (qcomm's own no-op codec)."""
-    # Only qcomm's own no-op codec is known to hand back what it was given.
-    return type(codec) is NoOpQuantizedCommCodec and codec.quantized_dtype == dtype

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from qcomm.awaitable import Awaitable
 from qcomm.collectives._args import check_chunk_bytes, check_input, check_splits, resolve_codecs
-from qcomm.collectives._blocks import gather_blocks, sum_blocks
 from qcomm.collectives._call import begin
+from qcomm.collectives._layouts import gather_blocks, sum_blocks
 from qcomm.collectives._pending import Pending
 
 __all__ = ["all_gather_pooled"]
@@ -80,8 +80,8 @@ def all_gather_pooled(
     """
     with begin("all_gather_pooled forward", group, input, "all_gather_pooled") as call:
         pg, world, rank = call.group, call.world, call.rank
-        with call.agreement("all_gather_pooled", input) as agree:
-            check_input(input, "input", pg)
+        with call.agreement as agree:
+            check_input(input, "input", call.backend)
             rows = input.shape[0]
             if output_splits is None:
                 splits = [rows] * world
@@ -93,7 +93,7 @@ def all_gather_pooled(
                         f"got output_splits[{rank}] = {splits[rank]}"
                     )
             chunk = check_chunk_bytes(chunk_bytes)
-            forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
+            forward, backward = resolve_codecs(codecs, input.dtype, call.backend)
             rest = tuple(input.shape[1:])
             agree.same("output_splits", splits)
             agree.same("input.shape[1:]", rest)

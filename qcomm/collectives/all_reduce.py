@@ -20,8 +20,8 @@ import torch.distributed as dist
 from qcomm.collectives._args import check_chunk_bytes, check_codec, check_input
 from qcomm.collectives._buffers import lease
 from qcomm.collectives._call import Call, begin
-from qcomm.collectives._exchange import Flat, recv_order, send_order, start_exchange
-from qcomm.collectives._wire import checked_decode, is_identity, padded_lengths
+from qcomm.collectives._exchange import Flat, is_identity, recv_order, send_order, start_exchange
+from qcomm.collectives._wire import checked_decode, padded_lengths
 from qcomm.types import CodecInfo, NoOpQuantizedCommCodec
 
 __all__ = ["Residuals", "all_reduce", "granule", "layout"]
@@ -292,9 +292,9 @@ def all_reduce(
         >>> dist.destroy_process_group()
     """
     with begin("all_reduce", group, buffer, "all_reduce") as call:
-        pg, rank, world = call.group, call.rank, call.world
-        with call.agreement("all_reduce", buffer) as agree:
-            check_input(buffer, "buffer", pg, ndim=1)
+        rank, world = call.rank, call.world
+        with call.agreement as agree:
+            check_input(buffer, "buffer", call.backend, ndim=1)
             if not buffer.is_contiguous():
                 raise ValueError("buffer: expected a contiguous tensor")
             if not isinstance(average, bool):
@@ -309,7 +309,7 @@ def all_reduce(
             codecs = []
             for name, codec in (("reduce_codec", reduce_codec), ("gather_codec", gather_codec)):
                 codec = NoOpQuantizedCommCodec(buffer.dtype) if codec is None else codec
-                check_codec(codec, name, buffer.device, pg)
+                check_codec(codec, name, call.backend)
                 codecs.append(codec)
             bounds = layout(buffer.numel(), world, granule(*codecs))
             if all(is_identity(codec, buffer.dtype) for codec in codecs):

@@ -9,8 +9,6 @@ every table's columns for its own part of the batch (TorchRec's
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,19 +22,9 @@ from qcomm.collectives._args import (
     check_splits,
     resolve_codecs,
 )
-from qcomm.collectives._buffers import lease
-from qcomm.collectives._call import Call, begin
-from qcomm.collectives._exchange import (
-    Flat,
-    Rows,
-    copy_in_parts,
-    offsets,
-    recv_order,
-    send_order,
-    start_exchange,
-)
+from qcomm.collectives._call import begin
+from qcomm.collectives._layouts import pooled_backward, pooled_forward, sequence_exchange
 from qcomm.collectives._pending import Pending
-from qcomm.collectives._wire import padded_lengths
 
 __all__ = ["all_to_all_pooled", "all_to_all_sequence"]
 
@@ -106,8 +94,8 @@ def all_to_all_pooled(
     """
     with begin("all_to_all_pooled forward", group, input, "all_to_all_pooled") as call:
         pg, rank, world = call.group, call.rank, call.world
-        with call.agreement("all_to_all_pooled", input) as agree:
-            check_input(input, "input", pg, ndim=2)
+        with call.agreement as agree:
+            check_input(input, "input", call.backend, ndim=2)
             batches = check_splits(
                 batch_size_per_rank, "batch_size_per_rank", world, input.shape[0], "input.shape[0]"
             )
@@ -119,100 +107,24 @@ def all_to_all_pooled(
                 )
             divide = world if check_flag(gradient_division, "gradient_division") else 1
             chunk = check_chunk_bytes(chunk_bytes)
-            forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
+            forward, backward = resolve_codecs(codecs, input.dtype, call.backend)
             agree.same("batch_size_per_rank", batches)
             agree.same("dim_sum_per_rank", dims)
             agree.same("codecs.forward", forward)
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
-        finish = _pooled_forward(input.detach(), batches, dims, forward, call, chunk)
+        finish = pooled_forward(input.detach(), batches, dims, forward, call, chunk)
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
         # instead of swapping gradients.
         backward_name = f"all_to_all_pooled backward of call {call.number}"
-    dtype = input.dtype
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
+        # grad comes in the input's dtype (Pending casts it).
         with begin(backward_name, pg, grad) as back:
-            return _pooled_backward(grad, batches, dims, backward, back, dtype, divide, chunk)
+            return pooled_backward(grad, batches, dims, backward, back, divide, chunk)
 
     return Pending(input, finish, backward_fn)
-
-
-def _pooled_forward(
-    x: torch.Tensor,
-    batches: list[int],
-    dims: list[int],
-    codec: Any,
-    call: Call,
-    chunk_bytes: int | None,
-) -> Callable[[], torch.Tensor]:
-    # Rank k sends rows `rows[r]` of its [sum B, D_k] input to rank r, which
-    # receives them as columns `cols[k]` of its [B_r, sum D] output.
-    rank = call.rank
-    ctx = codec.create_context()
-    padded = padded_lengths(codec, ctx, dims, rank, x.device, probe=x)
-    rows, cols = offsets(batches), offsets(dims)
-    out = lease((batches[rank], cols[-1]), x.dtype, x.device)
-    band = [out[:, cols[s] : cols[s + 1]] for s in range(len(dims))]
-    sends = [
-        ([r], Rows(x[rows[r] : rows[r + 1]], padded[rank])) for r in send_order(rank, len(dims))
-    ]
-    recvs = [(s, Rows(band[s], padded[s])) for s in recv_order(rank, len(dims))]
-    finish = start_exchange(
-        sends,
-        recvs,
-        codec,
-        ctx,
-        call,
-        x.dtype,
-        chunk_bytes,
-        local=copy_in_parts(band[rank], x[rows[rank] : rows[rank + 1]]),
-        background=True,
-    )
-
-    def done() -> torch.Tensor:
-        finish()
-        return out
-
-    return done
-
-
-def _pooled_backward(
-    grad: torch.Tensor,
-    batches: list[int],
-    dims: list[int],
-    codec: Any,
-    call: Call,
-    dtype: torch.dtype,
-    divide: int,
-    chunk_bytes: int | None,
-) -> torch.Tensor:
-    # The inverse: columns `cols[r]` of the [B_k, sum D] gradient go back to
-    # rank r as rows `rows[k]` of its [sum B, D_r] input gradient.
-    g = grad.to(dtype)
-    rank = call.rank
-    ctx = codec.create_context()
-    rows, cols = offsets(batches), offsets(dims)
-    band = [g[:, cols[r] : cols[r + 1]] for r in range(len(dims))]
-    padded = padded_lengths(codec, ctx, dims, rank, g.device, probe=band[rank])
-    grad_input = lease((rows[-1], dims[rank]), dtype, g.device)
-    block = [grad_input[rows[s] : rows[s + 1]] for s in range(len(batches))]
-    sends = [([r], Rows(band[r], padded[r])) for r in send_order(rank, len(batches))]
-    recvs = [(s, Rows(block[s], padded[rank])) for s in recv_order(rank, len(batches))]
-    start_exchange(
-        sends,
-        recvs,
-        codec,
-        ctx,
-        call,
-        dtype,
-        chunk_bytes,
-        local=copy_in_parts(block[rank], band[rank]),
-    )()
-    if divide > 1:
-        grad_input.div_(divide)
-    return grad_input
 
 
 def all_to_all_sequence(
@@ -276,14 +188,14 @@ def all_to_all_sequence(
     """
     with begin("all_to_all_sequence forward", group, input, "all_to_all_sequence") as call:
         pg, world = call.group, call.world
-        with call.agreement("all_to_all_sequence", input) as agree:
-            check_input(input, "input", pg)
+        with call.agreement as agree:
+            check_input(input, "input", call.backend)
             sends = check_splits(
                 input_splits, "input_splits", world, input.shape[0], "input.shape[0]"
             )
             recvs = check_splits(output_splits, "output_splits", world)
             chunk = check_chunk_bytes(chunk_bytes)
-            forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
+            forward, backward = resolve_codecs(codecs, input.dtype, call.backend)
             rest = tuple(input.shape[1:])
             agree.same("input.shape[1:]", rest)
             agree.same("codecs.forward", forward)
@@ -291,7 +203,7 @@ def all_to_all_sequence(
             agree.same("chunk_bytes", [chunk or 0])
             agree.mirror(sends, recvs)
         dtype = input.dtype
-        finish = _sequence_exchange(input.detach(), sends, recvs, rest, forward, call, dtype, chunk)
+        finish = sequence_exchange(input.detach(), sends, recvs, rest, forward, call, dtype, chunk)
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
         # instead of swapping gradients.
@@ -299,49 +211,6 @@ def all_to_all_sequence(
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
         with begin(backward_name, pg, grad) as back:
-            return _sequence_exchange(grad, recvs, sends, rest, backward, back, dtype, chunk)()
+            return sequence_exchange(grad, recvs, sends, rest, backward, back, dtype, chunk)()
 
     return Pending(input, finish, backward_fn)
-
-
-def _sequence_exchange(
-    x: torch.Tensor,
-    send_rows: list[int],
-    recv_rows: list[int],
-    rest: tuple[int, ...],
-    codec: Any,
-    call: Call,
-    dtype: torch.dtype,
-    chunk_bytes: int | None,
-) -> Callable[[], torch.Tensor]:
-    # Each peer's rows are one flat segment, padded at its end to what the
-    # codec's padded_size asks for the segment seen as one row.
-    width = math.prod(rest)
-    world, rank = len(send_rows), call.rank
-    send_lengths = [n * width for n in send_rows]
-    recv_lengths = [n * width for n in recv_rows]
-    ctx = codec.create_context()
-    padded = padded_lengths(codec, ctx, send_lengths + recv_lengths, rank, x.device)
-    source = x.to(dtype).reshape(-1)
-    out = lease((sum(recv_rows), *rest), dtype, x.device)
-    flat = out.view(-1)
-    so, ro = offsets(send_lengths), offsets(recv_lengths)
-    sends = [([r], Flat(source[so[r] : so[r + 1]], padded[r])) for r in send_order(rank, world)]
-    recvs = [(s, Flat(flat[ro[s] : ro[s + 1]], padded[world + s])) for s in recv_order(rank, world)]
-    finish = start_exchange(
-        sends,
-        recvs,
-        codec,
-        ctx,
-        call,
-        dtype,
-        chunk_bytes,
-        local=copy_in_parts(flat[ro[rank] : ro[rank + 1]], source[so[rank] : so[rank + 1]]),
-        background=True,
-    )
-
-    def done() -> torch.Tensor:
-        finish()
-        return out
-
-    return done

@@ -21,8 +21,8 @@ from qcomm.collectives._args import (
     check_splits,
     resolve_codecs,
 )
-from qcomm.collectives._blocks import gather_blocks, sum_blocks
 from qcomm.collectives._call import begin
+from qcomm.collectives._layouts import gather_blocks, sum_blocks
 from qcomm.collectives._pending import Pending
 
 __all__ = ["reduce_scatter_pooled"]
@@ -96,8 +96,8 @@ def reduce_scatter_pooled(
     """
     with begin("reduce_scatter_pooled forward", group, input, "reduce_scatter_pooled") as call:
         pg, world = call.group, call.world
-        with call.agreement("reduce_scatter_pooled", input) as agree:
-            check_input(input, "input", pg)
+        with call.agreement as agree:
+            check_input(input, "input", call.backend)
             rows = input.shape[0]
             if input_splits is None:
                 if rows % world:
@@ -110,7 +110,7 @@ def reduce_scatter_pooled(
                 splits = check_splits(input_splits, "input_splits", world, rows, "input.shape[0]")
             divide = world if check_flag(gradient_division, "gradient_division") else 1
             chunk = check_chunk_bytes(chunk_bytes)
-            forward, backward = resolve_codecs(codecs, input.dtype, input.device, pg)
+            forward, backward = resolve_codecs(codecs, input.dtype, call.backend)
             rest = tuple(input.shape[1:])
             agree.same("input_splits", splits)
             agree.same("input.shape[1:]", rest)

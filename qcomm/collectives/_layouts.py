@@ -1,0 +1,253 @@
+"""
+How each collective lays its tensors out as the exchange's regions, both
+passes: the pooled all-to-all (rows out, columns in), the sequence all-to-all
+(a flat segment per peer), and blocks summed or gathered (the reduce-scatter
+and the all-gather, each the other's backward pass; ``lengths`` are every
+rank's block in elements, padded to what the codec's ``padded_size`` asks for,
+a block seen as one row).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qcomm.collectives._buffers import lease
+from qcomm.collectives._call import Call
+from qcomm.collectives._exchange import (
+    Flat,
+    Rows,
+    copy_in_parts,
+    offsets,
+    recv_order,
+    send_order,
+    start_exchange,
+)
+from qcomm.collectives._wire import padded_lengths
+
+
+def sum_blocks(
+    x: torch.Tensor,
+    lengths: list[int],
+    codec: Any,
+    call: Call,
+    shape: tuple[int, ...],
+    chunk_bytes: int | None,
+    background: bool = False,
+) -> Callable[[], torch.Tensor]:
+    """
+    Starts the sum over ranks of their block ``rank`` of ``x`` (all blocks
+    flat, one after the other); returns the function that waits for it, in
+    ``x``'s dtype and ``shape``.
+    """
+    dtype = x.dtype
+    world, rank = len(lengths), call.rank
+    ctx = codec.create_context()
+    padded = padded_lengths(codec, ctx, lengths, rank, x.device)
+    flat = x.reshape(-1)
+    o = offsets(lengths)
+    # The sum runs in float32 at least, in this rank's buffer, seeded with
+    # its own block; the peers' blocks are added in a fixed order.
+    acc = lease(shape, torch.promote_types(torch.float32, dtype), x.device)
+    sends = [([r], Flat(flat[o[r] : o[r + 1]], padded[r])) for r in send_order(rank, world)]
+    recvs = [(s, Flat(acc.view(-1), padded[rank])) for s in recv_order(rank, world)]
+
+    def seed(part: int, parts: int) -> None:
+        # The own block seeds the sum before the first peer's is added.
+        if part == 0:
+            acc.view(-1).copy_(flat[o[rank] : o[rank + 1]])
+
+    finish = start_exchange(
+        sends,
+        recvs,
+        codec,
+        ctx,
+        call,
+        dtype,
+        chunk_bytes,
+        add=True,
+        local=seed,
+        background=background,
+    )
+
+    def done() -> torch.Tensor:
+        finish()
+        return acc.to(dtype)
+
+    return done
+
+
+def gather_blocks(
+    mine: torch.Tensor,
+    lengths: list[int],
+    codec: Any,
+    call: Call,
+    shape: tuple[int, ...],
+    chunk_bytes: int | None,
+    background: bool = False,
+) -> Callable[[], torch.Tensor]:
+    """
+    Starts sending this rank's block ``mine`` to every rank, encoded once, and
+    receiving theirs; returns the function that waits for every rank's block,
+    one after the other in rank order, as ``shape``.
+    """
+    world, rank = len(lengths), call.rank
+    ctx = codec.create_context()
+    padded = padded_lengths(codec, ctx, lengths, rank, mine.device)
+    flat_mine = mine.reshape(-1)
+    out = lease(shape, mine.dtype, mine.device)
+    flat = out.view(-1)
+    o = offsets(lengths)
+    sends = [(send_order(rank, world), Flat(flat_mine, padded[rank]))]
+    recvs = [(s, Flat(flat[o[s] : o[s + 1]], padded[s])) for s in recv_order(rank, world)]
+    finish = start_exchange(
+        sends,
+        recvs,
+        codec,
+        ctx,
+        call,
+        mine.dtype,
+        chunk_bytes,
+        local=copy_in_parts(flat[o[rank] : o[rank + 1]], flat_mine),
+        background=background,
+    )
+
+    def done() -> torch.Tensor:
+        finish()
+        return out
+
+    return done
+
+
+def pooled_forward(
+    x: torch.Tensor,
+    batches: list[int],
+    dims: list[int],
+    codec: Any,
+    call: Call,
+    chunk_bytes: int | None,
+) -> Callable[[], torch.Tensor]:
+    """
+    Starts the pooled all-to-all: rank ``k`` sends rows ``rows[r]`` of its
+    ``[sum B, D_k]`` input to rank ``r``, which receives them as columns
+    ``cols[k]`` of its ``[B_r, sum D]`` output; returns the function that
+    waits for the output.
+    """
+    rank = call.rank
+    ctx = codec.create_context()
+    padded = padded_lengths(codec, ctx, dims, rank, x.device, probe=x)
+    rows, cols = offsets(batches), offsets(dims)
+    out = lease((batches[rank], cols[-1]), x.dtype, x.device)
+    band = [out[:, cols[s] : cols[s + 1]] for s in range(len(dims))]
+    sends = [
+        ([r], Rows(x[rows[r] : rows[r + 1]], padded[rank])) for r in send_order(rank, len(dims))
+    ]
+    recvs = [(s, Rows(band[s], padded[s])) for s in recv_order(rank, len(dims))]
+    finish = start_exchange(
+        sends,
+        recvs,
+        codec,
+        ctx,
+        call,
+        x.dtype,
+        chunk_bytes,
+        local=copy_in_parts(band[rank], x[rows[rank] : rows[rank + 1]]),
+        background=True,
+    )
+
+    def done() -> torch.Tensor:
+        finish()
+        return out
+
+    return done
+
+
+def pooled_backward(
+    grad: torch.Tensor,
+    batches: list[int],
+    dims: list[int],
+    codec: Any,
+    call: Call,
+    divide: int,
+    chunk_bytes: int | None,
+) -> torch.Tensor:
+    """
+    The pooled all-to-all's backward pass: columns ``cols[r]`` of the
+    ``[B_k, sum D]`` gradient go back to rank ``r`` as rows ``rows[k]`` of its
+    ``[sum B, D_r]`` input gradient, in ``grad``'s dtype (the input's).
+    """
+    g = grad
+    dtype = g.dtype
+    rank = call.rank
+    ctx = codec.create_context()
+    rows, cols = offsets(batches), offsets(dims)
+    band = [g[:, cols[r] : cols[r + 1]] for r in range(len(dims))]
+    padded = padded_lengths(codec, ctx, dims, rank, g.device, probe=band[rank])
+    grad_input = lease((rows[-1], dims[rank]), dtype, g.device)
+    block = [grad_input[rows[s] : rows[s + 1]] for s in range(len(batches))]
+    sends = [([r], Rows(band[r], padded[r])) for r in send_order(rank, len(batches))]
+    recvs = [(s, Rows(block[s], padded[rank])) for s in recv_order(rank, len(batches))]
+    start_exchange(
+        sends,
+        recvs,
+        codec,
+        ctx,
+        call,
+        dtype,
+        chunk_bytes,
+        local=copy_in_parts(block[rank], band[rank]),
+    )()
+    if divide > 1:
+        grad_input.div_(divide)
+    return grad_input
+
+
+def sequence_exchange(
+    x: torch.Tensor,
+    send_rows: list[int],
+    recv_rows: list[int],
+    rest: tuple[int, ...],
+    codec: Any,
+    call: Call,
+    dtype: torch.dtype,
+    chunk_bytes: int | None,
+) -> Callable[[], torch.Tensor]:
+    """
+    Starts the sequence all-to-all (either pass): ``send_rows[r]`` rows of
+    ``x`` to rank ``r``, ``recv_rows[s]`` rows from rank ``s``, each peer's
+    rows one flat segment padded at its end to what the codec's
+    ``padded_size`` asks for (the segment seen as one row); returns the
+    function that waits for the ``[sum(recv_rows), *rest]`` output in ``dtype``.
+    """
+    width = math.prod(rest)
+    world, rank = len(send_rows), call.rank
+    send_lengths = [n * width for n in send_rows]
+    recv_lengths = [n * width for n in recv_rows]
+    ctx = codec.create_context()
+    padded = padded_lengths(codec, ctx, send_lengths + recv_lengths, rank, x.device)
+    source = x.to(dtype).reshape(-1)
+    out = lease((sum(recv_rows), *rest), dtype, x.device)
+    flat = out.view(-1)
+    so, ro = offsets(send_lengths), offsets(recv_lengths)
+    sends = [([r], Flat(source[so[r] : so[r + 1]], padded[r])) for r in send_order(rank, world)]
+    recvs = [(s, Flat(flat[ro[s] : ro[s + 1]], padded[world + s])) for s in recv_order(rank, world)]
+    finish = start_exchange(
+        sends,
+        recvs,
+        codec,
+        ctx,
+        call,
+        dtype,
+        chunk_bytes,
+        local=copy_in_parts(flat[ro[rank] : ro[rank + 1]], source[so[rank] : so[rank + 1]]),
+        background=True,
+    )
+
+    def done() -> torch.Tensor:
+        finish()
+        return out
+
+    return done
