@@ -114,12 +114,7 @@ def gather_blocks(
         local=copy_in_parts(flat[o[rank] : o[rank + 1]], flat_mine),
         background=background,
     )
-
-    def done() -> torch.Tensor:
-        finish()
-        return out
-
-    return done
+    return _then(finish, out)
 
 
 def pooled_forward(
@@ -157,12 +152,7 @@ def pooled_forward(
         local=copy_in_parts(band[rank], x[rows[rank] : rows[rank + 1]]),
         background=True,
     )
-
-    def done() -> torch.Tensor:
-        finish()
-        return out
-
-    return done
+    return _then(finish, out)
 
 
 def pooled_backward(
@@ -209,10 +199,8 @@ def sequence_exchange(
     x: torch.Tensor,
     send_rows: list[int],
     recv_rows: list[int],
-    rest: tuple[int, ...],
     codec: Any,
     call: Call,
-    dtype: torch.dtype,
     chunk_bytes: int | None,
 ) -> Callable[[], torch.Tensor]:
     """
@@ -220,15 +208,17 @@ def sequence_exchange(
     ``x`` to rank ``r``, ``recv_rows[s]`` rows from rank ``s``, each peer's
     rows one flat segment padded at its end to what the codec's
     ``padded_size`` asks for (the segment seen as one row); returns the
-    function that waits for the ``[sum(recv_rows), *rest]`` output in ``dtype``.
+    function that waits for the ``[sum(recv_rows), *x.shape[1:]]`` output in
+    ``x``'s dtype.
     """
+    rest, dtype = tuple(x.shape[1:]), x.dtype
     width = math.prod(rest)
     world, rank = len(send_rows), call.rank
     send_lengths = [n * width for n in send_rows]
     recv_lengths = [n * width for n in recv_rows]
     ctx = codec.create_context()
     padded = padded_lengths(codec, ctx, send_lengths + recv_lengths, rank, x.device)
-    source = x.to(dtype).reshape(-1)
+    source = x.reshape(-1)
     out = lease((sum(recv_rows), *rest), dtype, x.device)
     flat = out.view(-1)
     so, ro = offsets(send_lengths), offsets(recv_lengths)
@@ -245,6 +235,11 @@ def sequence_exchange(
         local=copy_in_parts(flat[ro[rank] : ro[rank + 1]], source[so[rank] : so[rank + 1]]),
         background=True,
     )
+    return _then(finish, out)
+
+
+def _then(finish: Callable[[], None], out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The function that finishes the exchange, then returns ``out``."""
 
     def done() -> torch.Tensor:
         finish()

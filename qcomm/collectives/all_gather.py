@@ -107,10 +107,13 @@ def all_gather_pooled(
         )
         # Named after its forward call, as the other collectives' backward passes.
         backward_name = f"all_gather_pooled backward of call {call.number}"
-    in_shape, dtype = tuple(input.shape), input.dtype
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
+        # grad is every rank's block, in the input's dtype (Pending casts it).
+        rest = tuple(grad.shape[1:])
+        lengths = [s * math.prod(rest) for s in splits]
         with begin(backward_name, pg, grad) as back:
-            return sum_blocks(grad.to(dtype), lengths, backward, back, in_shape, chunk)()
+            shape = (splits[rank], *rest)
+            return sum_blocks(grad, lengths, backward, back, shape, chunk)()
 
     return Pending(input, finish, backward_fn)

@@ -202,8 +202,7 @@ def all_to_all_sequence(
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
             agree.mirror(sends, recvs)
-        dtype = input.dtype
-        finish = sequence_exchange(input.detach(), sends, recvs, rest, forward, call, dtype, chunk)
+        finish = sequence_exchange(input.detach(), sends, recvs, forward, call, chunk)
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
         # instead of swapping gradients.
@@ -211,6 +210,7 @@ def all_to_all_sequence(
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
         with begin(backward_name, pg, grad) as back:
-            return sequence_exchange(grad, recvs, sends, rest, backward, back, dtype, chunk)()
+            # grad comes in the input's dtype (Pending casts it).
+            return sequence_exchange(grad, recvs, sends, backward, back, chunk)()
 
     return Pending(input, finish, backward_fn)

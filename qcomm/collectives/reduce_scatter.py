@@ -118,19 +118,21 @@ def reduce_scatter_pooled(
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
         lengths = [s * math.prod(rest) for s in splits]
-        dtype = input.dtype
         mine = (splits[call.rank], *rest)
         finish = sum_blocks(input.detach(), lengths, forward, call, mine, chunk, background=True)
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
         # instead of swapping gradients.
         backward_name = f"reduce_scatter_pooled backward of call {call.number}"
-    in_shape = tuple(input.shape)
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
-        # Every rank's gradient block goes to every rank: encoded once, sent to all.
+        # Every rank's gradient block goes to every rank: encoded once, sent
+        # to all. grad is this rank's block, in the input's dtype (Pending).
+        rest = tuple(grad.shape[1:])
+        lengths = [s * math.prod(rest) for s in splits]
         with begin(backward_name, pg, grad) as back:
-            grad_input = gather_blocks(grad.to(dtype), lengths, backward, back, in_shape, chunk)()
+            shape = (sum(splits), *rest)
+            grad_input = gather_blocks(grad, lengths, backward, back, shape, chunk)()
         return grad_input.div_(divide) if divide > 1 else grad_input
 
     return Pending(input, finish, backward_fn)
