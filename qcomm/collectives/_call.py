@@ -1,9 +1,11 @@
 """
-The start of every collective call and of its backward: the group, this rank
-and the call's transport, opened before anything can fail so that the ranks
-count their calls alike. A failure before the call's headers go out is told
-to the peers (where the transport sends headers, else by the agreement
-check), which raise naming this rank instead of waiting for it.
+The start of every collective call and of its backward: the group, this
+rank, what the group's backend does with the input's device, the call's
+transport and its agreement check, all opened before anything can fail so
+that the ranks count their calls alike. The call is the context of the rest:
+a failure before its headers go out is told to the peers (where the call
+sends headers, else by the agreement check), which raise naming this rank
+instead of waiting for it.
 """
 
 from __future__ import annotations
