@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from collective_checks import ForeignIdentityCodec, expect, run_all
+from ddp_bucket import Bucket
 from dist_utils import TRANSPORTS
-from test_ddp import Bucket
 from three_ranks import (
     NaNRefusingCodec,
     agreement_exchanges,

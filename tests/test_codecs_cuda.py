@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_host_sync import SPECS, _contract_calls, _data, _same_bits
+from codec_calls import SPECS, contract_calls, same_bits, sample
 
 import qcomm
 
@@ -64,26 +64,26 @@ DETERMINISTIC = [s for s in SPECS if "stochastic" not in s]
 @pytest.mark.parametrize("spec", DETERMINISTIC)
 def test_cuda_equals_cpu_bit_for_bit(spec: str, cuda_path: str) -> None:
     codec: Any = qcomm.load_codec(spec)
-    x = _data()
-    cpu = _contract_calls(codec, x)
-    cuda = _contract_calls(codec, x.cuda())
+    x = sample()
+    cpu = contract_calls(codec, x)
+    cuda = contract_calls(codec, x.cuda())
     if codec.info.name == "int8" and not _int8_cpu_fuses():
         # This CPU rounds q * scale + bias twice, CUDA once: only wires compare.
         cpu, cuda = [cpu[0], cpu[3]], [cuda[0], cuda[3]]
     for i, (a, b) in enumerate(zip(cpu, cuda, strict=True)):
         assert b.is_cuda, f"{spec}: output {i} left the device"
         # NaN payloads may differ (CUDA's fp16/bf16 casts write 0x7FFF); the rest may not.
-        assert _same_bits(a, b.cpu()), f"{spec}: output {i} differs from the CPU's ({cuda_path})"
+        assert same_bits(a, b.cpu()), f"{spec}: output {i} differs from the CPU's ({cuda_path})"
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_no_host_sync_on_cuda(spec: str, cuda_path: str) -> None:
     codec: Any = qcomm.load_codec(spec)
-    x = _data().cuda()
+    x = sample().cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        outputs = _contract_calls(codec, x)
+        outputs = contract_calls(codec, x)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(t.is_cuda for t in outputs)
@@ -105,7 +105,7 @@ def test_fbgemm_cuda_decoders_are_used(spec: str, monkeypatch: pytest.MonkeyPatc
         return op
 
     monkeypatch.setattr(module, "cuda_op", recording)
-    codec.decode(codec.encode(_data().cuda()))
+    codec.decode(codec.encode(sample().cuda()))
     assert calls == [FBGEMM_DECODERS[codec.info.name]]
 
 
@@ -114,6 +114,6 @@ def test_fbgemm_cuda_decoders_skip_unaligned_rows(spec: str) -> None:
     # fbgemm's CUDA kernels pad row values to 4 bytes: other row_dims are not
     # their layout, and decode through torch (bit for bit the CPU's).
     codec: Any = qcomm.load_codec(spec)
-    x = _data()
+    x = sample()
     wire = codec.encode(x)
-    assert _same_bits(codec.decode(wire), codec.decode(wire.cuda()).cpu())
+    assert same_bits(codec.decode(wire), codec.decode(wire.cuda()).cpu())

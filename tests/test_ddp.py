@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from codec_names import suite_codecs
+from ddp_bucket import Bucket
 from dist_utils import TRANSPORTS, Outcome, check_case, outcomes_per_world_size, transport_env
 
 import qcomm
@@ -61,27 +62,6 @@ CODECS = ["noop", *(c for c in suite_codecs() if c not in ("fp8_e4m3_tensor", "i
 # Error feedback on one codec of each kind: per element (bf16), per block
 # with min/max (int8), per block floating point (fp8, MX4), a plugin's.
 FEEDBACK = [c for c in ("bf16", "int8", "fp8_e4m3", "mx4", "example_fp16_scaled") if c in CODECS]
-
-
-class Bucket:
-    """What DDP hands a hook, for the hook's cases: a flat buffer and its index."""
-
-    def __init__(self, buffer: torch.Tensor, index: int = 0, shapes: tuple[int, ...] = ()) -> None:
-        self._buffer = buffer
-        self._index = index
-        self._params = [torch.empty(s) for s in shapes] or [torch.empty(buffer.numel())]
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return True
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self._params
 
 
 # --------------------------------------------------------------------------

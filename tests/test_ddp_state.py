@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_bucket import Bucket
 from dist_utils import per_world_size
 
 import qcomm
@@ -197,26 +198,6 @@ def case_nonfinite(rank: int, world: int) -> None:
         got = hook(state, Bucket(x)).wait()
         finite = torch.isfinite(got)
         assert not finite[7] and int(finite.sum()) == 99, f"{spec} on float16: {got[7].item()}"
-
-
-class Bucket:
-    """What DDP hands a hook: a flat buffer, its index and its parameters."""
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self._buffer = buffer
-        self._params = [torch.empty(buffer.numel())]
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return 0
-
-    def is_last(self) -> bool:
-        return True
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self._params
 
 
 def case_two_modules(rank: int, world: int) -> None:

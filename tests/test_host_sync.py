@@ -23,7 +23,6 @@ The same checks on a real GPU (``torch.cuda.set_sync_debug_mode``) live in
 from __future__ import annotations
 
 import contextlib
-import math
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,31 +30,12 @@ from typing import Any
 
 import pytest
 import torch
+from codec_calls import SPECS, contract_calls, same_bits, sample
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qcomm
 
 aten = torch.ops.aten
-
-SPECS = [
-    "fp16",
-    "fp16:loss_scale=1024",
-    "bf16",
-    "fp8_e4m3_tensor",
-    "int4",
-    "int4:row_dim=5",
-    "int8",
-    "int8:row_dim=6",
-    "fp8_e4m3",
-    "fp8_e4m3:row_dim=7",
-    "fp8_e5m2",
-    "mx4",
-    "mx4:rounding=nearest",
-    "mx4:rounding=floor",
-    "mx4:rounding=ceil",
-    "mx4:rounding=stochastic",
-    "mx4:group_size=6",
-]
 
 # Operators that read device data on the host, or size their output by it.
 _HOST_READS = {
@@ -118,44 +98,6 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _contract_calls(codec: Any, x: torch.Tensor) -> list[torch.Tensor]:
-    # Every call of the contract, the way TorchRec's collectives make them:
-    # a 2-D pooled input with padded columns (rows cut into whole blocks), a
-    # split size, decode and decode_into with the context, then a flat input
-    # ending in a partial block, without a context.
-    ctx = codec.create_context()
-    width = x.shape[1]
-    padded, _ = codec.padded_size(x, [width, width + 3], 0, ctx)
-    wire = codec.encode(x, ctx)
-    # After padded_size, sizes count the padded rows (as fbgemm's codecs do).
-    assert codec.calc_quantized_size(x.shape[0] * padded, ctx) == wire.numel()
-    back = codec.decode(wire, ctx)
-    into = torch.empty(back.numel(), device=x.device)
-    codec.decode_into(wire, into, ctx)
-    flat = x.reshape(-1)[:-1]
-    flat_wire = codec.encode(flat)
-    assert codec.calc_quantized_size(flat.numel()) == flat_wire.numel()
-    flat_back = codec.decode(flat_wire)
-    flat_into = torch.empty(flat_back.numel(), device=x.device)
-    codec.decode_into(flat_wire, flat_into)
-    return [wire, back, into, flat_wire, flat_back, flat_into]
-
-
-def _data(rows: int = 10, width: int = 40) -> torch.Tensor:
-    # Normal rows, and rows each codec must mark: NaN, +-inf, a range that
-    # overflows float32, a huge maximum; plus an all-zero row and a tiny one.
-    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(7))
-    x[1, 3] = math.nan
-    x[2, 30] = math.inf
-    x[3, 0] = -math.inf
-    x[4, :2] = torch.tensor([3e38, -3e38])
-    x[5, 7] = 3.3e38
-    x[6] = 0.0
-    x[7] *= 1e-30
-    x[8, 5:9] = torch.tensor([math.nan, math.inf, -math.inf, math.nan])
-    return x
-
-
 @contextlib.contextmanager
 def _paths(monkeypatch: pytest.MonkeyPatch, *, kernels: bool, fbgemm: bool) -> Iterator[None]:
     # The CPU fast paths on or off; off, CPU tensors run the non-CPU code.
@@ -166,19 +108,6 @@ def _paths(monkeypatch: pytest.MonkeyPatch, *, kernels: bool, fbgemm: bool) -> I
             else:
                 m.setenv(env, "1")
         yield
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # Equal bytes; floats may differ only in NaN payloads.
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    nan = a.isnan()
-    if not torch.equal(nan, b.isnan()):
-        return False
-    bits = torch.int16 if a.element_size() == 2 else torch.int32
-    return torch.equal(a[~nan].view(bits), b[~nan].view(bits))
 
 
 def test_host_reads_catches_what_syncs() -> None:
@@ -202,7 +131,7 @@ def test_no_host_sync_on_a_non_cpu_device(spec: str) -> None:
     x = torch.empty(6, 40, device="meta")
     with _HostReads() as mode:
         try:
-            outputs = _contract_calls(codec, x)
+            outputs = contract_calls(codec, x)
         except (RuntimeError, NotImplementedError) as e:  # a read of meta data, recorded or not
             if not mode.reads:
                 where = _codec_line(traceback.extract_tb(e.__traceback__))
@@ -217,17 +146,17 @@ def test_device_path_has_no_host_sync_and_the_cpu_paths_bytes(
     spec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     codec: Any = qcomm.load_codec(spec)
-    x = _data()
+    x = sample()
     torch.manual_seed(0)  # mx4's stochastic rounding draws the same numbers on every path
     with _paths(monkeypatch, kernels=False, fbgemm=False), _HostReads() as mode:
-        device_path = _contract_calls(codec, x)
+        device_path = contract_calls(codec, x)
     assert not mode.reads, f"{spec}: {len(mode.reads)} host sync(s):\n" + "\n".join(mode.reads)
     for kernels, fbgemm in ((True, True), (False, True)):
         torch.manual_seed(0)
         with _paths(monkeypatch, kernels=kernels, fbgemm=fbgemm):
-            cpu_path = _contract_calls(codec, x)
+            cpu_path = contract_calls(codec, x)
         for i, (a, b) in enumerate(zip(device_path, cpu_path, strict=True)):
-            assert _same_bits(a, b), (
+            assert same_bits(a, b), (
                 f"{spec}: output {i} differs (kernels={kernels}, fbgemm={fbgemm})"
             )
     if isinstance(codec, qcomm.BlockCodec):  # rows with NaN or +-inf decode to NaN
