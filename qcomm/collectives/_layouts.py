@@ -29,22 +29,28 @@ from qcomm.collectives._exchange import (
 from qcomm.collectives._wire import padded_lengths
 
 
+def _blocks(splits: list[int], rest: tuple[int, ...]) -> list[int]:
+    """Every rank's block in elements: ``splits[r]`` rows of shape ``rest``."""
+    return [s * math.prod(rest) for s in splits]
+
+
 def sum_blocks(
     x: torch.Tensor,
-    lengths: list[int],
+    splits: list[int],
     codec: Any,
     call: Call,
-    shape: tuple[int, ...],
     chunk_bytes: int | None,
     background: bool = False,
 ) -> Callable[[], torch.Tensor]:
     """
-    Starts the sum over ranks of their block ``rank`` of ``x`` (all blocks
-    flat, one after the other); returns the function that waits for it, in
-    ``x``'s dtype and ``shape``.
+    Starts the sum over ranks of their block ``rank`` of ``x`` (rank ``r``'s
+    block is ``splits[r]`` rows, one after the other); returns the function
+    that waits for it, ``[splits[rank], *x.shape[1:]]`` in ``x``'s dtype.
     """
-    dtype = x.dtype
+    dtype, rest = x.dtype, tuple(x.shape[1:])
+    lengths = _blocks(splits, rest)
     world, rank = len(lengths), call.rank
+    shape = (splits[rank], *rest)
     ctx = codec.create_context()
     padded = padded_lengths(codec, ctx, lengths, rank, x.device)
     flat = x.reshape(-1)
@@ -82,19 +88,22 @@ def sum_blocks(
 
 def gather_blocks(
     mine: torch.Tensor,
-    lengths: list[int],
+    splits: list[int],
     codec: Any,
     call: Call,
-    shape: tuple[int, ...],
     chunk_bytes: int | None,
     background: bool = False,
 ) -> Callable[[], torch.Tensor]:
     """
-    Starts sending this rank's block ``mine`` to every rank, encoded once, and
-    receiving theirs; returns the function that waits for every rank's block,
-    one after the other in rank order, as ``shape``.
+    Starts sending this rank's block ``mine`` (``splits[rank]`` rows) to every
+    rank, encoded once, and receiving theirs (``splits[r]`` rows each);
+    returns the function that waits for every rank's block, one after the
+    other in rank order, as ``[sum(splits), *mine.shape[1:]]``.
     """
+    rest = tuple(mine.shape[1:])
+    lengths = _blocks(splits, rest)
     world, rank = len(lengths), call.rank
+    shape = (sum(splits), *rest)
     ctx = codec.create_context()
     padded = padded_lengths(codec, ctx, lengths, rank, mine.device)
     flat_mine = mine.reshape(-1)

@@ -7,7 +7,6 @@ exchange of blocks, and its backward pass.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -100,20 +99,13 @@ def all_gather_pooled(
             agree.same("codecs.forward", forward)
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
-        lengths = [s * math.prod(rest) for s in splits]
-        out_shape = (sum(splits), *rest)
-        finish = gather_blocks(
-            input.detach(), lengths, forward, call, out_shape, chunk, background=True
-        )
+        finish = gather_blocks(input.detach(), splits, forward, call, chunk, background=True)
         # Named after its forward call, as the other collectives' backward passes.
         backward_name = f"all_gather_pooled backward of call {call.number}"
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
         # grad is every rank's block, in the input's dtype (Pending casts it).
-        rest = tuple(grad.shape[1:])
-        lengths = [s * math.prod(rest) for s in splits]
         with begin(backward_name, pg, grad) as back:
-            shape = (splits[rank], *rest)
-            return sum_blocks(grad, lengths, backward, back, shape, chunk)()
+            return sum_blocks(grad, splits, backward, back, chunk)()
 
     return Pending(input, finish, backward_fn)

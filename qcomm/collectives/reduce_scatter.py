@@ -7,7 +7,6 @@ decoding, never on the wire (docs/collectives.rst says why).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -117,9 +116,7 @@ def reduce_scatter_pooled(
             agree.same("codecs.forward", forward)
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
-        lengths = [s * math.prod(rest) for s in splits]
-        mine = (splits[call.rank], *rest)
-        finish = sum_blocks(input.detach(), lengths, forward, call, mine, chunk, background=True)
+        finish = sum_blocks(input.detach(), splits, forward, call, chunk, background=True)
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
         # instead of swapping gradients.
@@ -128,11 +125,8 @@ def reduce_scatter_pooled(
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
         # Every rank's gradient block goes to every rank: encoded once, sent
         # to all. grad is this rank's block, in the input's dtype (Pending).
-        rest = tuple(grad.shape[1:])
-        lengths = [s * math.prod(rest) for s in splits]
         with begin(backward_name, pg, grad) as back:
-            shape = (sum(splits), *rest)
-            grad_input = gather_blocks(grad, lengths, backward, back, shape, chunk)()
+            grad_input = gather_blocks(grad, splits, backward, back, chunk)()
         return grad_input.div_(divide) if divide > 1 else grad_input
 
     return Pending(input, finish, backward_fn)
