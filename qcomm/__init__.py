@@ -33,10 +33,12 @@ _HOMES = {
     "codec_entries": "qcomm.discovery",
     "load_codec": "qcomm.discovery",
     "build_registry": "qcomm.registry",
+    "load_pair": "qcomm.registry",
     "parse_codec_spec": "qcomm.specs",
     "CodecError": "qcomm.errors",
     "CodecInfo": "qcomm.types",
     "CommOp": "qcomm.ops",
+    "HostCodecs": "qcomm.types",
     "NoOpQuantizedCommCodec": "qcomm.types",
     "QuantizedCommCodec": "qcomm.types",
     "QuantizedCommCodecs": "qcomm.types",
@@ -63,8 +65,10 @@ if TYPE_CHECKING:
     from qcomm.errors import CodecError as CodecError
     from qcomm.ops import CommOp as CommOp
     from qcomm.registry import build_registry as build_registry
+    from qcomm.registry import load_pair as load_pair
     from qcomm.specs import parse_codec_spec as parse_codec_spec
     from qcomm.types import CodecInfo as CodecInfo
+    from qcomm.types import HostCodecs as HostCodecs
     from qcomm.types import NoOpQuantizedCommCodec as NoOpQuantizedCommCodec
     from qcomm.types import QuantizedCommCodec as QuantizedCommCodec
     from qcomm.types import QuantizedCommCodecs as QuantizedCommCodecs

@@ -20,7 +20,9 @@ from qcomm._ddp_worker import worker_for
 from qcomm.collectives._args import check_chunk_bytes
 from qcomm.collectives.all_reduce import Residuals, all_reduce, granule, layout
 from qcomm.discovery import load_codec
-from qcomm.types import CodecError, QuantizedCommCodec, contract_problem
+from qcomm.registry import load_pair
+from qcomm.specs import parse_host_spec
+from qcomm.types import CodecError, HostCodecs, QuantizedCommCodec, contract_problem
 
 __all__ = ["DDPCommHookState", "all_reduce_hook", "ddp_comm_hook"]
 
@@ -127,6 +129,23 @@ class DDPCommHookState:
         process_group: Any = None,
         chunk_bytes: Any = None,
     ) -> None:
+        #: the codecs by host (a hierarchical all-reduce), or ``None``
+        self.by_host: HostCodecs | None = None
+        self._host_spec: str | None = None
+        if isinstance(spec, HostCodecs) or (
+            isinstance(spec, str) and parse_host_spec(spec) is not None
+        ):
+            if gather is not None:
+                raise ValueError(
+                    "gather: the spec gives the codecs by host (each pair's forward codec "
+                    "reduces, its backward codec gathers); leave gather unset"
+                )
+            by_host = load_pair(spec, "spec")
+            assert isinstance(by_host, HostCodecs)
+            self.by_host = by_host
+            self._host_spec = spec.strip() if isinstance(spec, str) else None
+            # What a one-codec reader of the state (granule, repr) sees.
+            spec, gather = by_host.other_host.forward, by_host.other_host.backward
         if isinstance(spec, str) and "/" in spec:
             if gather is not None:
                 raise ValueError(
@@ -197,6 +216,8 @@ class DDPCommHookState:
     def _own(self, numel: int, world: int, rank: int) -> tuple[int, int]:
         """Where this rank's block of a bucket starts and stops, as :func:`all_reduce` cuts it."""
         codecs = [c for c in (self.reduce_codec, self.gather_codec) if c is not None]
+        if self.by_host is not None:
+            codecs += [self.by_host.same_host.forward, self.by_host.same_host.backward]
         bounds = layout(numel, world, granule(*codecs))
         return bounds[rank], bounds[rank + 1]
 
@@ -444,9 +465,13 @@ class DDPCommHookState:
 
     def __getstate__(self) -> dict[str, Any]:
         reduce_spec, gather_spec = self._specs
+        reduce: Any = reduce_spec if reduce_spec is not None else self.reduce_codec
+        gather: Any = gather_spec if gather_spec is not None else self.gather_codec
+        if self.by_host is not None:
+            reduce, gather = self._host_spec or self.by_host, None
         return {
-            "reduce": reduce_spec if reduce_spec is not None else self.reduce_codec,
-            "gather": gather_spec if gather_spec is not None else self.gather_codec,
+            "reduce": reduce,
+            "gather": gather,
             "error_feedback": self.error_feedback,
             "chunk_bytes": self.chunk_bytes,
             "resets": self.resets,
@@ -464,6 +489,9 @@ class DDPCommHookState:
         self.load_state_dict(state["state"])
 
     def __repr__(self) -> str:
+        if self.by_host is not None:
+            given = self._host_spec or self.by_host
+            return f"DDPCommHookState(by_host={given!r}, error_feedback={self.error_feedback})"
         codecs = (self.reduce_codec, self.gather_codec)
         names = [s if s is not None else repr(c) for s, c in zip(self._specs, codecs)]
         return (
@@ -505,11 +533,13 @@ def all_reduce_hook(
     residuals = state.residuals(bucket) if state.error_feedback else None
 
     def reduce(group: dist.ProcessGroup) -> torch.Tensor:
+        by_host = state.by_host
         all_reduce(
             buffer,
             group=group,
-            reduce_codec=state.reduce_codec,
-            gather_codec=state.gather_codec,
+            reduce_codec=state.reduce_codec if by_host is None else None,
+            gather_codec=state.gather_codec if by_host is None else None,
+            by_host=by_host,
             average=True,
             residuals=residuals,
             chunk_bytes=state.chunk_bytes,
@@ -545,8 +575,11 @@ def ddp_comm_hook(
     every rank before the first backward pass (see :doc:`ddp`).
 
     Args:
-        spec (str | QuantizedCommCodec): a spec (``"int8"``), a
-            ``"reduce/gather"`` pair, a codec object, or ``None`` (no codec).
+        spec (str | QuantizedCommCodec | HostCodecs): a spec (``"int8"``), a
+            ``"reduce/gather"`` pair, a codec object, ``None`` (no codec), or
+            codecs by host (``"same_host=noop+other_host=int8"`` or a
+            :class:`~qcomm.HostCodecs`: a hierarchical all-reduce, see
+            :doc:`topology`).
         gather (str | QuantizedCommCodec, optional): the all-gather's codec.
             Default: ``None`` (as ``spec``; a new instance of a spec).
         error_feedback (bool, optional): carry what the codecs lose into the

@@ -12,17 +12,18 @@ from typing import Any
 
 from qcomm import torchrec_exchange
 from qcomm.discovery import load_codec
-from qcomm.specs import parse_registry_string
+from qcomm.specs import HOST_KEYS, parse_host_spec, parse_registry_string
 from qcomm.types import (
     CodecError,
     CommOp,
+    HostCodecs,
     NoOpQuantizedCommCodec,
     QuantizedCommCodecs,
     codec_info,
     contract_problem,
 )
 
-__all__ = ["build_registry"]
+__all__ = ["build_registry", "load_pair"]
 
 _CODECS_ENV = "QCOMM_CODECS"
 # What a refused reduce-scatter codec is replaced with in the suggested fix:
@@ -40,7 +41,69 @@ class _Given:
     entries: list[tuple[CommOp, Any, Any]] = field(default_factory=list)
 
 
+def load_pair(value: Any, where: str = "codecs") -> QuantizedCommCodecs:
+    r"""
+    load_pair(value: Any, where: str = "codecs") -> QuantizedCommCodecs
+
+    One entry of a registry: a ``"forward/backward"`` string, a
+    ``(forward, backward)`` tuple, one spec or codec for both directions, a
+    :class:`~qcomm.QuantizedCommCodecs`, or codecs by host (a
+    ``"same_host=<pair>+other_host=<pair>"`` string, a mapping with those
+    keys, or a :class:`~qcomm.HostCodecs`; see :doc:`topology`).
+
+    Args:
+        value (Any): the entry.
+        where (str, optional): what errors name. Default: ``"codecs"``.
+
+    Returns:
+        QuantizedCommCodecs: the codecs (a :class:`~qcomm.HostCodecs` by
+        host); each spec gives a new codec instance.
+
+    Raises:
+        CodecError: if a spec is unknown or malformed, or an object breaks the
+            codec contract; the message names ``where``.
+
+    Examples::
+
+        >>> load_pair("same_host=noop+other_host=fp16/bf16").other_host.backward
+        BF16Codec(loss_scale=None)
+    """
+    by_host = _host_parts(value, where)
+    if by_host is not None:
+        per_host = by_host.pop("ranks_per_host", None)
+        try:
+            return HostCodecs(
+                **{key: _load_pair(pair, f"{where}.{key}") for key, pair in by_host.items()},
+                ranks_per_host=per_host,
+            )
+        except (TypeError, ValueError) as err:
+            raise CodecError(f"{where}: {err}") from err
+    return _load_pair(value, where)
+
+
+def _host_parts(value: Any, where: str) -> dict[str, Any] | None:
+    """The parts of codecs by host given as a string or a mapping, else ``None``."""
+    if isinstance(value, str):
+        try:
+            return parse_host_spec(value)
+        except CodecError as err:
+            raise CodecError(f"{where}: {err}") from err
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in HOST_KEYS]
+        if unknown or not value:
+            raise CodecError(
+                f"{where}: expected a mapping with keys {', '.join(HOST_KEYS)} (codecs by "
+                f"host), got keys {list(value)}"
+            )
+        return dict(value)
+    return None
+
+
 def _load_pair(value: Any, where: str) -> QuantizedCommCodecs:
+    if isinstance(value, HostCodecs):
+        for key in ("same_host", "other_host"):
+            _load_pair(getattr(value, key), f"{where}.{key}")
+        return value
     if isinstance(value, QuantizedCommCodecs):
         # It holds codec objects; specs belong in a "forward/backward" string.
         for side in ("forward", "backward"):
@@ -169,7 +232,7 @@ def build_registry(
         op = CommOp.parse(key)
         if op.name in registry:
             raise CodecError(f"build_registry: CommOp {op.name} is given twice")
-        registry[op.name] = _load_pair(value, f"{where}[{op.name}]")
+        registry[op.name] = load_pair(value, f"{where}[{op.name}]")
         given.entries.append((op, key, value))
     return _checked(registry, allow_unsummable_reduce_scatter, given)
 
@@ -291,6 +354,12 @@ def _fix(given: _Given, forward_ok: bool, backward_ok: bool) -> str:
 
 
 def _fixed_pair(value: Any, forward_ok: bool, backward_ok: bool) -> Any:
+    by_host = parse_host_spec(value) if isinstance(value, str) else None
+    if by_host is not None:
+        # TorchRec's own reduce-scatter applies the other hosts' pair.
+        other = by_host.get("other_host", "noop")
+        by_host["other_host"] = _fixed_pair(other, forward_ok, backward_ok)
+        return "+".join(f"{key}={pair}" for key, pair in by_host.items())
     if isinstance(value, str):
         parts = [part.strip() for part in value.split("/")]
         forward, backward = parts[0], parts[-1]

@@ -10,7 +10,10 @@ from typing import Any
 from qcomm.errors import CodecError
 from qcomm.ops import CommOp
 
-__all__ = ["parse_codec_spec", "parse_registry_string", "split_codec_specs"]
+__all__ = ["parse_codec_spec", "parse_host_spec", "parse_registry_string", "split_codec_specs"]
+
+#: The parts of a codecs-by-host spec (see :func:`parse_host_spec`).
+HOST_KEYS = ("same_host", "other_host", "ranks_per_host")
 
 
 def _parse_value(text: str) -> Any:
@@ -109,7 +112,69 @@ def split_codec_specs(text: str) -> list[str]:
 
 def _is_option(item: str) -> bool:
     head, eq, _ = item.partition("=")
-    return bool(eq) and not set(":/") & set(head) and head.strip().upper() not in CommOp.__members__
+    key = head.strip()
+    return (
+        bool(eq)
+        and not set(":/") & set(head)
+        and key.upper() not in CommOp.__members__
+        and key.lower() not in HOST_KEYS
+    )
+
+
+def parse_host_spec(text: str) -> dict[str, Any] | None:
+    r"""
+    parse_host_spec(text: str) -> dict[str, Any] | None
+
+    The parts of a codecs-by-host spec, ``same_host=<pair>+other_host=<pair>``
+    with an optional ``+ranks_per_host=<n>`` (see :doc:`topology`), or
+    ``None`` if ``text`` is not one.
+
+    Args:
+        text (str): the spec.
+
+    Returns:
+        dict[str, Any] | None: the pair of each class of peer given (a
+        ``"forward/backward"`` string) and ``ranks_per_host`` (an int), if given.
+
+    Raises:
+        CodecError: if a part is unknown, given twice or empty.
+
+    Examples::
+
+        >>> parse_host_spec("same_host=noop+other_host=int8/bf16")
+        {'same_host': 'noop', 'other_host': 'int8/bf16'}
+        >>> parse_host_spec("int8") is None
+        True
+    """
+    if not isinstance(text, str) or text.partition("=")[0].strip().lower() not in HOST_KEYS:
+        return None
+    parts: dict[str, Any] = {}
+    for item in text.split("+"):
+        key, eq, value = item.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not eq or key not in HOST_KEYS:
+            raise CodecError(
+                f"{item.strip()!r} in {text!r}: expected same_host=<pair>, other_host=<pair> "
+                f"or ranks_per_host=<n>, joined by '+'"
+            )
+        if key in parts:
+            raise CodecError(f"{key} is given twice in {text!r}")
+        if not value:
+            raise CodecError(f"{key} in {text!r} has no value")
+        if key == "ranks_per_host":
+            try:
+                parts[key] = int(value)
+            except ValueError:
+                raise CodecError(
+                    f"ranks_per_host in {text!r}: expected a positive int, got {value!r}"
+                ) from None
+            if parts[key] < 1:
+                raise CodecError(
+                    f"ranks_per_host in {text!r}: expected a positive int, got {value!r}"
+                )
+        else:
+            parts[key] = value
+    return parts
 
 
 def parse_registry_string(text: str) -> dict[CommOp, str]:

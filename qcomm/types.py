@@ -19,6 +19,7 @@ __all__ = [
     "CodecError",
     "CodecInfo",
     "CommOp",
+    "HostCodecs",
     "NoOpQuantizedCommCodec",
     "QuantizedCommCodec",
     "QuantizedCommCodecs",
@@ -283,6 +284,59 @@ class QuantizedCommCodecs:
 
     forward: Any = dataclasses.field(default_factory=NoOpQuantizedCommCodec)
     backward: Any = dataclasses.field(default_factory=NoOpQuantizedCommCodec)
+
+
+@dataclasses.dataclass
+class HostCodecs(QuantizedCommCodecs):
+    r"""
+    Codecs by where the peer is: one pair for the ranks on this rank's host,
+    another for the ranks on other hosts, so that only the slow link between
+    hosts carries compressed data. qcomm's collectives and its DDP hook apply
+    them peer by peer (see :doc:`topology`).
+
+    ``forward`` and ``backward`` are set to the other hosts' codecs: what a
+    driver that encodes the whole tensor with one codec (TorchRec's own
+    collectives) applies to every peer.
+
+    Args:
+        same_host (QuantizedCommCodecs, optional): the pair between ranks of
+            one host. Default: no-op codecs (the data travels as it is).
+        other_host (QuantizedCommCodecs, optional): the pair between ranks of
+            different hosts. Default: no-op codecs.
+        ranks_per_host (int, optional): ranks ``[k * n, (k + 1) * n)`` of the
+            default group share host ``k``. Default: ``None``
+            (``QCOMM_RANKS_PER_HOST``, else torchrun's ``LOCAL_WORLD_SIZE``,
+            else the ranks' host names).
+
+    Examples::
+
+        >>> from qcomm import load_codec
+        >>> codecs = HostCodecs(other_host=QuantizedCommCodecs(load_codec("int8"), load_codec("bf16")))
+        >>> codecs.forward is codecs.other_host.forward
+        True
+    """
+
+    forward: Any = dataclasses.field(init=False, default=None)
+    backward: Any = dataclasses.field(init=False, default=None)
+    same_host: QuantizedCommCodecs = dataclasses.field(default_factory=QuantizedCommCodecs)
+    other_host: QuantizedCommCodecs = dataclasses.field(default_factory=QuantizedCommCodecs)
+    ranks_per_host: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("same_host", "other_host"):
+            pair = getattr(self, name)
+            if not (hasattr(pair, "forward") and hasattr(pair, "backward")):
+                raise TypeError(
+                    f"{name}: expected a QuantizedCommCodecs (forward and backward codecs), "
+                    f"got {type(pair).__name__}"
+                )
+            if isinstance(pair, HostCodecs):
+                raise TypeError(f"{name}: expected a QuantizedCommCodecs, got a HostCodecs")
+        n = self.ranks_per_host
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"ranks_per_host: expected None or a positive int, got {n!r}")
+        self.forward = self.other_host.forward
+        self.backward = self.other_host.backward
 
 
 # The members every codec has (the contract, docs/codecs.rst).

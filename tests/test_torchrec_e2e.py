@@ -372,6 +372,23 @@ def _misuse(
     }
 
 
+def _by_host(setup: Setup, rank: int, base: torch.Tensor) -> dict[Any, Any]:
+    """Codecs by host through the sharders: per peer on qcomm's exchange."""
+    coded, _ = _run_sharded(setup, rank, qcomm.build_registry({setup.op.value: "fp16"}))
+    out: dict[Any, Any] = {}
+    for ranks_per_host in (1, 2):
+        spec = f"same_host=noop+other_host=fp16+ranks_per_host={ranks_per_host}"
+        before = sum(torchrec_exchange.calls.values())
+        y, _ = _run_sharded(setup, rank, qcomm.build_registry({setup.op.value: spec}))
+        out[ranks_per_host] = {
+            "exact": bool(torch.equal(y, base)),
+            "as_fp16": bool(torch.equal(y, coded)),
+            "exchange_calls": sum(torchrec_exchange.calls.values()) - before,
+        }
+    out["fp16_differs"] = not torch.equal(coded, base)
+    return out
+
+
 def _guarded(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     # One broken case must not hide the others. TorchRec fails on both ranks
     # at the same call (same shapes, same codecs), so they stay in step; were
@@ -402,6 +419,8 @@ def _worker(rank: int, world_size: int) -> dict[Any, Any]:
         for sharding, codec in CASES:
             if sharding == name:
                 out[(name, codec)] = _guarded(_case, setup, ref, rank, base, codec)
+        if name == "ebc-table_wise":
+            out[("by_host", name)] = _by_host(setup, rank, base[0])
         if name == ROW_WISE_EBC:
             for fwd, bwd in MISUSES:
                 out[("misuse", fwd, bwd)] = _misuse(setup, ref, rank, base[0], fwd, bwd)
@@ -418,6 +437,19 @@ def results(request: pytest.FixtureRequest) -> dict[Any, Any]:
     out: dict[Any, Any] = {key: [r[key] for r in per_rank] for key in per_rank[0]}
     out["door"] = door
     return out
+
+
+def test_codecs_by_host_through_the_sharders(results):
+    # Two ranks: as two hosts of one, every peer takes fp16; as one host of
+    # two, none does, where qcomm's exchange moves the bytes. TorchRec's own
+    # transport encodes the whole tensor with the other hosts' codec.
+    for r in results[("by_host", "ebc-table_wise")]:
+        assert r["fp16_differs"]
+        assert r[1]["as_fp16"]
+        if results["door"] == "qcomm":
+            assert r[2]["exact"] and r[1]["exchange_calls"] > 0 and r[2]["exchange_calls"] > 0
+        else:
+            assert r[2]["as_fp16"] and r[1]["exchange_calls"] == r[2]["exchange_calls"] == 0
 
 
 def test_every_builtin_codec_is_covered():

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from qcomm.collectives import _backends, _transport
 from qcomm.collectives._describe import describe_codec, hash64
 from qcomm.collectives._disagreement import disagreement, unmatched_splits
+from qcomm.collectives._hosts import ByHost
 from qcomm.types import CodecError
 
 ENV = "QCOMM_VERIFY"
@@ -78,6 +79,8 @@ def _describe(value: Any) -> str:
         return str([int(v) for v in value])
     if isinstance(value, str):
         return value
+    if isinstance(value, ByHost):
+        return value.describe(describe_codec)
     return describe_codec(value)
 
 

@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives._backends import Backend
+from qcomm.collectives._hosts import ByHost, ranks_per_host
 from qcomm.types import (
     CODEC_MEMBERS,
     CodecError,
+    HostCodecs,
     NoOpQuantizedCommCodec,
     QuantizedCommCodec,
     codec_info,
@@ -150,7 +152,12 @@ def check_codec(codec: Any, name: str, backend: Backend) -> None:
 
 
 def resolve_codecs(codecs: Any, dtype: torch.dtype, backend: Backend) -> tuple[Any, Any]:
-    """The checked forward and backward codecs of a call (no-op codecs for ``codecs=None``)."""
+    """
+    The checked forward and backward codecs of a call (no-op codecs for
+    ``codecs=None``; a :class:`~._hosts.ByHost` each for a :class:`~qcomm.HostCodecs`).
+    """
+    if isinstance(codecs, HostCodecs):
+        return by_host(codecs, "codecs", backend)
     if codecs is not None:
         if not (hasattr(codecs, "forward") and hasattr(codecs, "backward")):
             raise TypeError(
@@ -169,6 +176,19 @@ def resolve_codecs(codecs: Any, dtype: torch.dtype, backend: Backend) -> tuple[A
     # Without codecs the data travels in its own dtype, as with a plain
     # collective: no cast, no extra bytes.
     return NoOpQuantizedCommCodec(dtype), NoOpQuantizedCommCodec(dtype)
+
+
+def by_host(policy: HostCodecs, name: str, backend: Backend) -> tuple[ByHost, ByHost]:
+    """The checked forward and backward codecs of a :class:`~qcomm.HostCodecs`, by host."""
+    per_host, source = ranks_per_host(policy.ranks_per_host)
+    sides = []
+    for side in ("forward", "backward"):
+        same = getattr(policy.same_host, side)
+        other = getattr(policy.other_host, side)
+        check_codec(same, f"{name}.same_host.{side}", backend)
+        check_codec(other, f"{name}.other_host.{side}", backend)
+        sides.append(ByHost(same, other, per_host, source))
+    return sides[0], sides[1]
 
 
 def check_flag(value: Any, name: str) -> bool:

@@ -20,6 +20,7 @@ from qcomm.collectives import _header
 from qcomm.collectives._agreement import Agreement, safe_mode
 from qcomm.collectives._args import resolve_group
 from qcomm.collectives._backends import Backend, backend_of
+from qcomm.collectives._hosts import per_peer
 from qcomm.collectives._transport import open_transport
 
 # What the transport carries for the exchange, in sizes only: each message's
@@ -78,6 +79,14 @@ class Call:
         if self._agreement is None:
             raise AssertionError(f"qcomm: {self.name} was begun without its collective's name")
         return self._agreement
+
+    def by_peer(self, codec: Any) -> list[Any]:
+        """
+        The codec of every rank of the group, as this rank pairs with it (see
+        :func:`~._hosts.per_peer`); asked after the agreement check, which the
+        ranks pass together (learning host names is an exchange).
+        """
+        return per_peer(codec, self.group, self.rank, self.backend.device)
 
     def next_exchange(self, name: str) -> None:
         """

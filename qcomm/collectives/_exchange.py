@@ -15,7 +15,6 @@ same bits as an unchunked one.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,16 +23,10 @@ import torch.nn.functional as F
 
 from qcomm.collectives import _background, _header
 from qcomm.collectives._call import Call
-from qcomm.collectives._describe import fingerprint
+from qcomm.collectives._coding import Coding, PeerCodings
 from qcomm.collectives._transport import Transport
-from qcomm.collectives._wire import (
-    checked_decode,
-    checked_encode,
-    encodable,
-    quantized_sizes,
-    wire_dtype,
-)
-from qcomm.types import CodecError, CodecInfo, NoOpQuantizedCommCodec
+from qcomm.collectives._wire import checked_decode, checked_encode, encodable, quantized_sizes
+from qcomm.types import CodecError
 
 # Automatic chunking: a region of at most _SMALL elements travels whole;
 # larger ones in up to _MAX_CHUNKS chunks of at least _SMALL elements. More
@@ -168,26 +161,10 @@ def copy_in_parts(target: torch.Tensor, source: torch.Tensor) -> Callable[[int, 
     return copy
 
 
-def is_identity(codec: Any, dtype: torch.dtype) -> bool:
-    """Whether ``codec`` hands data of ``dtype`` over as it is (qcomm's own no-op codec)."""
-    # Only qcomm's own no-op codec is known to hand back what it was given:
-    # its data moves without encoding, or a copy where it can.
-    return type(codec) is NoOpQuantizedCommCodec and codec.quantized_dtype == dtype
-
-
-def _alignment(codec: Any, transport: Transport) -> int | None:
-    # The chunk alignment in elements, or None for one chunk per region.
-    info = getattr(codec, "info", None)
-    if not transport.chunked or not isinstance(info, CodecInfo) or info.stateful:
-        return None
-    return info.error_block if info.error_block >= 1 else None
-
-
 def start_exchange(
     sends: Sequence[tuple[list[int], Region]],
     recvs: Sequence[tuple[int, Region]],
-    codec: Any,
-    ctx: Any,
+    codings: PeerCodings,
     call: Call,
     dtype: torch.dtype,
     chunk_bytes: int | None,
@@ -196,36 +173,40 @@ def start_exchange(
     background: bool = False,
 ) -> Callable[[], None]:
     """
-    Sends every region of ``sends`` (to its peers) and declares every receive of
-    ``recvs`` (from its peer), on ``call``'s transport; returns the function
-    that receives, decodes and closes. ``local(i, n)``, where given, is this rank's own share of the work
-    in ``n`` parts: the function runs part ``i`` before it waits for the
-    ``i``-th message, so that the work fills the waits instead of delaying
-    the first send. ``background``: a call waited for later; where the
-    transport moves its messages on its own, the receiving and decoding start
-    now on the background thread (``_background``). A disagreement or failure
-    raises :class:`~qcomm.CodecError` on every rank.
+    Sends every region of ``sends`` (to its peers, which share one coding) and
+    declares every receive of ``recvs`` (from its peer), each with the peer's
+    coding of ``codings``, on ``call``'s transport; returns the function that
+    receives, decodes and closes. ``local(i, n)``, where given, is this rank's
+    own share of the work in ``n`` parts: the function runs part ``i`` before
+    it waits for the ``i``-th message, so that the work fills the waits
+    instead of delaying the first send. ``background``: a call waited for
+    later; where the transport moves its messages on its own, the receiving
+    and decoding start now on the background thread (``_background``). A
+    disagreement or failure raises :class:`~qcomm.CodecError` on every rank.
     """
     transport, name = call.transport, call.name
-    align = _alignment(codec, transport)
-    identity = is_identity(codec, dtype)
-    wdtype = wire_dtype(codec)
-    decode_into = getattr(codec, "decode_into", None)
 
-    def cut(region: Region) -> list[tuple[int, int]]:
+    def cut(region: Region, coding: Coding) -> list[tuple[int, int]]:
+        align = coding.alignment(transport.chunked)
         if align is None:
             return [(0, region.length)]
         return region.chunks(align, chunk_elements(region.length, chunk_bytes))
 
-    def size_of(start: int, stop: int) -> int:
-        return quantized_sizes(codec, ctx, [stop - start])[0]
+    def size_of(coding: Coding, start: int, stop: int) -> int:
+        return quantized_sizes(coding.codec, coding.ctx, [stop - start])[0]
+
+    def pieces(coding: Coding, region: Region) -> list[tuple[Region | None, int, int, int]]:
+        return [(region, a, b, size_of(coding, a, b)) for a, b in cut(region, coding)]
 
     incoming: list[tuple[int, Region | None, int, int, int]] = [
-        (peer, region, a, b, size_of(a, b)) for peer, region in recvs for a, b in cut(region)
+        (peer, *piece) for peer, into in recvs for piece in pieces(codings[peer], into)
     ]
-    outgoing: list[tuple[list[int], Region | None, int, int, int]] = [
-        (peers, region, a, b, size_of(a, b)) for peers, region in sends for a, b in cut(region)
-    ]
+    outgoing: list[tuple[list[int], Region | None, int, int, int]] = []
+    for to, sent in sends:
+        coding = codings[to[0]]
+        if any(codings[p] is not coding for p in to):
+            raise AssertionError("qcomm: a region sent to several peers goes with one coding")
+        outgoing += [(to, *piece) for piece in pieces(coding, sent)]
     peers = [p for p in range(transport.world) if p != transport.rank]
     # Every pair exchanges at least its statuses, so that every rank hears
     # from every peer whether its call went well.
@@ -233,31 +214,35 @@ def start_exchange(
     incoming += [(p, None, 0, 0, 0) for p in peers if not any(p == i[0] for i in incoming)]
     last_out = {p: i for i, (to, *_) in enumerate(outgoing) for p in to}
     last_in = {i[0]: n for n, i in enumerate(incoming)}
-    extra = _header.status_elements(wdtype)
-    print_, codec_name = _status_print(codec, identity)
     flows = _flows(peers, incoming, outgoing)
 
-    def encode(region: Region | None, start: int, stop: int, size: int) -> torch.Tensor:
+    def encode(
+        coding: Coding, region: Region | None, start: int, stop: int, size: int
+    ) -> torch.Tensor:
         if region is None:
-            return torch.empty(0, dtype=wdtype, device=transport.device)
+            return torch.empty(0, dtype=coding.wire_dtype, device=transport.device)
         chunk = region.read(start, stop)
-        if identity:
+        if coding.identity:
             return chunk
-        return checked_encode(codec, ctx, encodable(chunk, codec), size, wdtype)
+        codec = coding.codec
+        return checked_encode(codec, coding.ctx, encodable(chunk, codec), size, coding.wire_dtype)
 
     checked = call.checked and bool(peers)
-    headers = _announce(peers, flows, print_, codec_name, dtype, call) if checked else {}
+    headers = _announce(peers, flows, codings, dtype, call) if checked else {}
     # Receives are posted at once, as this rank expects them (its headers
     # say so); a peer sends its data only once it has read them. A peer's
     # last message carries its status too: it lands in the shared buffer.
     pending = []
     for n, (peer, region, start, stop, size) in enumerate(incoming):
+        coding = codings[peer]
         last = last_in[peer] == n
-        into = region.target(start, stop) if region and identity and not add and not last else None
+        into = None
+        if region and coding.identity and not add and not last:
+            into = region.target(start, stop)
         if into is not None and not into.is_contiguous():
             into = None
-        numel = size + extra if last else size
-        handle = transport.expect(peer, numel, wdtype, into)
+        extra = _header.status_elements(coding.wire_dtype) if last else 0
+        handle = transport.expect(peer, size + extra, coding.wire_dtype, into)
         pending.append((peer, handle, region, start, stop, size if last else None))
     transport.start()
     failure: Exception | None = None
@@ -276,14 +261,15 @@ def start_exchange(
             targets = [p for p in to if p in agreed]
             if not targets:
                 continue
+            coding = codings[to[0]]
             if failure is None:
                 try:
-                    wire = encode(region, start, stop, size)
+                    wire = encode(coding, region, start, stop, size)
                 except Exception as err:
                     failure = err
             if failure is not None:
                 # The peers have posted receives of this size: fill them.
-                wire = torch.zeros(size, dtype=wdtype, device=transport.device)
+                wire = torch.zeros(size, dtype=coding.wire_dtype, device=transport.device)
             for peer in targets:
                 if last_out[peer] == i:
                     # Sent once every chunk is encoded, with the status of
@@ -293,7 +279,7 @@ def start_exchange(
                 else:
                     transport.send(peer, wire)
         for peer, wire in held.items():
-            own = _header.identity(name, transport.number, print_, str(dtype), flows[peer][0])
+            own = _identity(name, transport.number, codings[peer], dtype, flows[peer][0])
             transport.send(peer, wire, _header.status(failure is None, own))
         transport.flush()
     except BaseException:
@@ -304,7 +290,7 @@ def start_exchange(
         raise failure
     pending = [item for item in pending if item[0] in agreed]
     expected = {
-        p: _header.identity(name, transport.number, print_, str(dtype), flows[p][1]) for p in agreed
+        p: _identity(name, transport.number, codings[p], dtype, flows[p][1]) for p in agreed
     }
     statuses: dict[int, bytes | torch.Tensor] = {}
 
@@ -345,7 +331,7 @@ def start_exchange(
                 if region is None:
                     continue
                 try:
-                    _decode(wire, region, start, stop)
+                    _decode(codings[peer], wire, region, start, stop)
                 except Exception:
                     # A peer that failed sent zeros: say so rather than
                     # what decoding them did.
@@ -368,44 +354,32 @@ def start_exchange(
                 transport.received(handle)
                 statuses[peer] = transport.trailer_of(handle, last_size)
 
-    def _decode(wire: torch.Tensor, region: Region, start: int, stop: int) -> None:
+    def _decode(coding: Coding, wire: torch.Tensor, region: Region, start: int, stop: int) -> None:
         target = region.target(start, stop)
-        if identity:
+        if coding.identity:
             if target is None or wire.data_ptr() != target.data_ptr():
                 region.write(start, stop, wire, add)
         elif (
-            decode_into is not None
+            coding.decode_into is not None
             and not add
             and target is not None
             and target.dtype == torch.float32
         ):
-            checked_decode(codec, ctx, wire, stop - start, into=target)
+            checked_decode(coding.codec, coding.ctx, wire, stop - start, into=target)
         else:
-            region.write(start, stop, checked_decode(codec, ctx, wire, stop - start), add)
+            decoded = checked_decode(coding.codec, coding.ctx, wire, stop - start)
+            region.write(start, stop, decoded, add)
 
     if background and transport.moves_alone:
         return _background.later(finish)
     return finish
 
 
-# The codec fingerprints that statuses carry, by codec object: computed once
-# per object (a codec changed in place after its first call goes unseen here;
-# the agreement check and QCOMM_VERIFY=1 compare it in full every time).
-_prints: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
-
-
-def _status_print(codec: Any, identity: bool) -> tuple[int, str]:
-    """The fingerprint and name of ``codec`` for this call's statuses (and headers)."""
-    if identity:
-        # qcomm's own no-op codec: the dtype (in the status) says it all.
-        return 0, "noop"
-    try:
-        found = _prints.get(codec)
-        if found is None:
-            found = _prints[codec] = fingerprint(codec)
-        return found
-    except TypeError:  # not weakly referenceable, or unhashable
-        return fingerprint(codec)
+def _identity(
+    name: str, number: int, coding: Coding, dtype: torch.dtype, flow: _header.Flow
+) -> int:
+    """What a status says of the call between two ranks (see :func:`_header.identity`)."""
+    return _header.identity(name, number, coding.print, str(dtype), flow)
 
 
 def _flows(
@@ -437,17 +411,19 @@ def _flows(
 def _announce(
     peers: list[int],
     flows: dict[int, tuple[_header.Flow, _header.Flow]],
-    print_: int,
-    name: str,
+    codings: PeerCodings,
     dtype: torch.dtype,
     call: Call,
 ) -> dict[int, tuple[_header.Header, Any]]:
-    """Sends this rank's header to every peer and posts theirs."""
+    """Sends this rank's header to every peer (with that peer's coding) and posts theirs."""
     headers = {}
     transport = call.transport
     for p in peers:
         sent, expected = flows[p]
-        mine = _header.Header(_header.OK, call.name, print_, str(dtype), sent, expected, name)
+        coding = codings[p]
+        mine = _header.Header(
+            _header.OK, call.name, coding.print, str(dtype), sent, expected, coding.name
+        )
         headers[p] = (mine, transport.expect_control(p))
     for p in peers:
         transport.send_control(p, headers[p][0].pack())

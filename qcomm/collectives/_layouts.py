@@ -5,6 +5,10 @@ passes: the pooled all-to-all (rows out, columns in), the sequence all-to-all
 and the all-gather, each the other's backward pass; ``lengths`` are every
 rank's block in elements, padded to what the codec's ``padded_size`` asks for,
 a block seen as one row).
+
+Each takes ``codecs``, the codec of every rank (``codecs[p]`` for the data
+between this rank and peer ``p``, both ways), and pads each peer's region to
+what that peer's codec asks for.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from qcomm.collectives._buffers import lease
 from qcomm.collectives._call import Call
+from qcomm.collectives._coding import PeerCodings
 from qcomm.collectives._exchange import (
     Flat,
     Rows,
@@ -26,7 +31,6 @@ from qcomm.collectives._exchange import (
     send_order,
     start_exchange,
 )
-from qcomm.collectives._wire import padded_lengths
 
 
 def _blocks(splits: list[int], rest: tuple[int, ...]) -> list[int]:
@@ -37,7 +41,7 @@ def _blocks(splits: list[int], rest: tuple[int, ...]) -> list[int]:
 def sum_blocks(
     x: torch.Tensor,
     splits: list[int],
-    codec: Any,
+    codecs: list[Any],
     call: Call,
     chunk_bytes: int | None,
     background: bool = False,
@@ -51,15 +55,18 @@ def sum_blocks(
     lengths = _blocks(splits, rest)
     world, rank = len(lengths), call.rank
     shape = (splits[rank], *rest)
-    ctx = codec.create_context()
-    padded = padded_lengths(codec, ctx, lengths, rank, x.device)
+    codings = PeerCodings(codecs, dtype)
+
+    def padded(peer: int, block: int) -> int:
+        return codings[peer].padded(lengths, rank, x.device)[block]
+
     flat = x.reshape(-1)
     o = offsets(lengths)
     # The sum runs in float32 at least, in this rank's buffer, seeded with
     # its own block; the peers' blocks are added in a fixed order.
     acc = lease(shape, torch.promote_types(torch.float32, dtype), x.device)
-    sends = [([r], Flat(flat[o[r] : o[r + 1]], padded[r])) for r in send_order(rank, world)]
-    recvs = [(s, Flat(acc.view(-1), padded[rank])) for s in recv_order(rank, world)]
+    sends = [([r], Flat(flat[o[r] : o[r + 1]], padded(r, r))) for r in send_order(rank, world)]
+    recvs = [(s, Flat(acc.view(-1), padded(s, rank))) for s in recv_order(rank, world)]
 
     def seed(part: int, parts: int) -> None:
         # The own block seeds the sum before the first peer's is added.
@@ -69,8 +76,7 @@ def sum_blocks(
     finish = start_exchange(
         sends,
         recvs,
-        codec,
-        ctx,
+        codings,
         call,
         dtype,
         chunk_bytes,
@@ -89,14 +95,14 @@ def sum_blocks(
 def gather_blocks(
     mine: torch.Tensor,
     splits: list[int],
-    codec: Any,
+    codecs: list[Any],
     call: Call,
     chunk_bytes: int | None,
     background: bool = False,
 ) -> Callable[[], torch.Tensor]:
     """
     Starts sending this rank's block ``mine`` (``splits[rank]`` rows) to every
-    rank, encoded once, and receiving theirs (``splits[r]`` rows each);
+    rank, encoded once per codec, and receiving theirs (``splits[r]`` rows each);
     returns the function that waits for every rank's block, one after the
     other in rank order, as ``[sum(splits), *mine.shape[1:]]``.
     """
@@ -104,19 +110,24 @@ def gather_blocks(
     lengths = _blocks(splits, rest)
     world, rank = len(lengths), call.rank
     shape = (sum(splits), *rest)
-    ctx = codec.create_context()
-    padded = padded_lengths(codec, ctx, lengths, rank, mine.device)
+    codings = PeerCodings(codecs, mine.dtype)
+
+    def padded(peer: int, block: int) -> int:
+        return codings[peer].padded(lengths, rank, mine.device)[block]
+
     flat_mine = mine.reshape(-1)
     out = lease(shape, mine.dtype, mine.device)
     flat = out.view(-1)
     o = offsets(lengths)
-    sends = [(send_order(rank, world), Flat(flat_mine, padded[rank]))]
-    recvs = [(s, Flat(flat[o[s] : o[s + 1]], padded[s])) for s in recv_order(rank, world)]
+    sends = [
+        (peers, Flat(flat_mine, padded(peers[0], rank)))
+        for peers in codings.groups(send_order(rank, world))
+    ]
+    recvs = [(s, Flat(flat[o[s] : o[s + 1]], padded(s, s))) for s in recv_order(rank, world)]
     finish = start_exchange(
         sends,
         recvs,
-        codec,
-        ctx,
+        codings,
         call,
         mine.dtype,
         chunk_bytes,
@@ -130,7 +141,7 @@ def pooled_forward(
     x: torch.Tensor,
     batches: list[int],
     dims: list[int],
-    codec: Any,
+    codecs: list[Any],
     call: Call,
     chunk_bytes: int | None,
 ) -> Callable[[], torch.Tensor]:
@@ -141,20 +152,22 @@ def pooled_forward(
     waits for the output.
     """
     rank = call.rank
-    ctx = codec.create_context()
-    padded = padded_lengths(codec, ctx, dims, rank, x.device, probe=x)
+    codings = PeerCodings(codecs, x.dtype)
+
+    def padded(peer: int, column: int) -> int:
+        return codings[peer].padded(dims, rank, x.device, probe=x)[column]
+
     rows, cols = offsets(batches), offsets(dims)
     out = lease((batches[rank], cols[-1]), x.dtype, x.device)
     band = [out[:, cols[s] : cols[s + 1]] for s in range(len(dims))]
     sends = [
-        ([r], Rows(x[rows[r] : rows[r + 1]], padded[rank])) for r in send_order(rank, len(dims))
+        ([r], Rows(x[rows[r] : rows[r + 1]], padded(r, rank))) for r in send_order(rank, len(dims))
     ]
-    recvs = [(s, Rows(band[s], padded[s])) for s in recv_order(rank, len(dims))]
+    recvs = [(s, Rows(band[s], padded(s, s))) for s in recv_order(rank, len(dims))]
     finish = start_exchange(
         sends,
         recvs,
-        codec,
-        ctx,
+        codings,
         call,
         x.dtype,
         chunk_bytes,
@@ -168,7 +181,7 @@ def pooled_backward(
     grad: torch.Tensor,
     batches: list[int],
     dims: list[int],
-    codec: Any,
+    codecs: list[Any],
     call: Call,
     divide: int,
     chunk_bytes: int | None,
@@ -181,19 +194,21 @@ def pooled_backward(
     g = grad
     dtype = g.dtype
     rank = call.rank
-    ctx = codec.create_context()
+    codings = PeerCodings(codecs, dtype)
     rows, cols = offsets(batches), offsets(dims)
     band = [g[:, cols[r] : cols[r + 1]] for r in range(len(dims))]
-    padded = padded_lengths(codec, ctx, dims, rank, g.device, probe=band[rank])
+
+    def padded(peer: int, column: int) -> int:
+        return codings[peer].padded(dims, rank, g.device, probe=band[rank])[column]
+
     grad_input = lease((rows[-1], dims[rank]), dtype, g.device)
     block = [grad_input[rows[s] : rows[s + 1]] for s in range(len(batches))]
-    sends = [([r], Rows(band[r], padded[r])) for r in send_order(rank, len(batches))]
-    recvs = [(s, Rows(block[s], padded[rank])) for s in recv_order(rank, len(batches))]
+    sends = [([r], Rows(band[r], padded(r, r))) for r in send_order(rank, len(batches))]
+    recvs = [(s, Rows(block[s], padded(s, rank))) for s in recv_order(rank, len(batches))]
     start_exchange(
         sends,
         recvs,
-        codec,
-        ctx,
+        codings,
         call,
         dtype,
         chunk_bytes,
@@ -208,7 +223,7 @@ def sequence_exchange(
     x: torch.Tensor,
     send_rows: list[int],
     recv_rows: list[int],
-    codec: Any,
+    codecs: list[Any],
     call: Call,
     chunk_bytes: int | None,
 ) -> Callable[[], torch.Tensor]:
@@ -225,19 +240,24 @@ def sequence_exchange(
     world, rank = len(send_rows), call.rank
     send_lengths = [n * width for n in send_rows]
     recv_lengths = [n * width for n in recv_rows]
-    ctx = codec.create_context()
-    padded = padded_lengths(codec, ctx, send_lengths + recv_lengths, rank, x.device)
+    codings = PeerCodings(codecs, dtype)
+
+    def padded(peer: int, segment: int) -> int:
+        lengths = send_lengths + recv_lengths
+        return codings[peer].padded(lengths, rank, x.device)[segment]
+
     source = x.reshape(-1)
     out = lease((sum(recv_rows), *rest), dtype, x.device)
     flat = out.view(-1)
     so, ro = offsets(send_lengths), offsets(recv_lengths)
-    sends = [([r], Flat(source[so[r] : so[r + 1]], padded[r])) for r in send_order(rank, world)]
-    recvs = [(s, Flat(flat[ro[s] : ro[s + 1]], padded[world + s])) for s in recv_order(rank, world)]
+    sends = [([r], Flat(source[so[r] : so[r + 1]], padded(r, r))) for r in send_order(rank, world)]
+    recvs = [
+        (s, Flat(flat[ro[s] : ro[s + 1]], padded(s, world + s))) for s in recv_order(rank, world)
+    ]
     finish = start_exchange(
         sends,
         recvs,
-        codec,
-        ctx,
+        codings,
         call,
         dtype,
         chunk_bytes,

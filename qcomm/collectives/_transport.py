@@ -1,5 +1,8 @@
 """
 How wire tensors cross between ranks: bytes, and nothing of what they mean.
+Each message has a dtype of its own (peers may use different codecs), and
+receives land in one byte buffer, each at an aligned offset, seen in its
+dtype.
 
 A call declares every receive before any send, sends as it encodes, then
 waits for each receive. :class:`PointToPoint` (gloo on CPU) posts every
@@ -107,9 +110,8 @@ def open_transport(
     return transport
 
 
-def _aligned(numel: int, dtype: torch.dtype) -> int:
-    unit = max(1, _ALIGN // dtype.itemsize)
-    return -(-numel // unit) * unit
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 class Transport:
@@ -132,11 +134,11 @@ class Transport:
         self.rank = rank
         self.device = device
         self.world = dist.get_world_size(group)
-        # Declared receives: (peer, offset in the shared buffer, numel, own tensor).
-        self._recvs: list[tuple[int, int, int, torch.Tensor | None]] = []
+        # Declared receives: (peer, byte offset in the shared buffer, numel,
+        # dtype, own tensor).
+        self._recvs: list[tuple[int, int, int, torch.dtype, torch.Tensor | None]] = []
         self._end = 0
-        self._dtype = torch.uint8
-        self._buffer: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None  # bytes
         self._raw: Any = None  # the shared buffer's bytes, as numpy, once read
         self._joined: list[torch.Tensor] = []  # messages made here (wire and trailer)
         self._sends: list[tuple[int, torch.Tensor]] = []
@@ -145,16 +147,24 @@ class Transport:
     def expect(
         self, peer: int, numel: int, dtype: torch.dtype, into: torch.Tensor | None = None
     ) -> int:
-        """Declares a receive from ``peer`` (into ``into`` where it can); returns its handle."""
-        self._dtype = dtype
-        self._recvs.append((peer, self._end, numel, into))
-        self._end += _aligned(numel, dtype)
+        """
+        Declares a receive of ``numel`` elements of ``dtype`` from ``peer``
+        (into ``into`` where it can); returns its handle.
+        """
+        self._recvs.append((peer, self._end, numel, dtype, into))
+        self._end += _aligned(numel * dtype.itemsize)
         return len(self._recvs) - 1
 
-    def _shared(self, total: int) -> torch.Tensor:
-        self._buffer = _buffers.take(total, self._dtype, self.device)
+    def _shared(self, nbytes: int) -> torch.Tensor:
+        self._buffer = _buffers.take(nbytes, torch.uint8, self.device)
         self._raw = None
         return self._buffer
+
+    def _landing(self, handle: int) -> torch.Tensor:
+        """Where a receive lands in the shared buffer, seen in its dtype."""
+        _, offset, numel, dtype, _ = self._recvs[handle]
+        assert self._buffer is not None
+        return self._buffer[offset : offset + numel * dtype.itemsize].view(dtype)
 
     def start(self) -> None:
         """Posts the declared receives, where the backend allows it before any send."""
@@ -165,7 +175,6 @@ class Transport:
         (:attr:`trailer_bytes` bytes, padded to whole elements) where given;
         the wire must stay unchanged until :meth:`close`.
         """
-        self._dtype = wire.dtype
         if trailer is not None:
             wire = _joined(wire, trailer)
             self._joined.append(wire)
@@ -180,14 +189,14 @@ class Transport:
     def received(self, handle: int) -> torch.Tensor:
         """Waits for a receive; returns its wire: ``into``, or a view of the shared buffer."""
         self._wait_for(handle)
-        _, offset, numel, into = self._recvs[handle]
+        _, _, numel, dtype, into = self._recvs[handle]
         if into is not None:
             return into.view(-1)
         if self._buffer is None:
-            return torch.empty(0, dtype=self._dtype, device=self.device)
+            return torch.empty(0, dtype=dtype, device=self.device)
         # Made on the issuing stream, read where the call is waited for.
         _streams.use_here(self._buffer)
-        return self._buffer[offset : offset + numel]
+        return self._landing(handle)
 
     def trailer_of(self, handle: int, size: int) -> bytes | torch.Tensor:
         """
@@ -195,17 +204,17 @@ class Transport:
         bytes where it is on the CPU, else a device tensor of them (read later,
         all at once).
         """
-        _, offset, _, into = self._recvs[handle]
+        _, offset, _, dtype, into = self._recvs[handle]
         if into is not None or self._buffer is None:
             raise AssertionError("qcomm: a trailer lands in the shared buffer")
-        start = (offset + size) * self._buffer.element_size()
+        start = offset + size * dtype.itemsize
         stop = start + self.trailer_bytes
         if self.device.type == "cpu":
             if self._raw is None:
-                self._raw = self._buffer.view(torch.uint8).numpy()
+                self._raw = self._buffer.numpy()
             blob: bytes = self._raw[start:stop].tobytes()
             return blob
-        return self._buffer.view(torch.uint8)[start:stop]
+        return self._buffer[start:stop]
 
     def close(self) -> None:
         """Waits for every send and gives the receive buffer back for reuse."""
@@ -279,7 +288,7 @@ class PointToPoint(Transport):
         return blob
 
     def start(self) -> None:
-        shared = any(into is None and numel for _, _, numel, into in self._recvs)
+        shared = any(into is None and numel for _, _, numel, _, into in self._recvs)
         buffer = self._shared(self._end) if shared else None
         if buffer is not None:
             # Kept memory may hold an earlier call's trailer where this call
@@ -288,17 +297,16 @@ class PointToPoint(Transport):
             # old trailer in sight. Trailers end a message; every one is
             # cleared before any receive is posted (one in flight is written
             # to at any time), and within its own message only.
-            raw = buffer.view(torch.uint8).numpy()
-            size = self._dtype.itemsize
-            for _, offset, numel, into in self._recvs:
+            raw = buffer.numpy()
+            for _, offset, numel, dtype, into in self._recvs:
                 if into is None and numel and self.trailer_bytes:
-                    start, end = offset * size, (offset + numel) * size
-                    raw[max(start, end - self.trailer_bytes) : end] = 0
-        for peer, offset, numel, into in self._recvs:
+                    end = offset + numel * dtype.itemsize
+                    raw[max(offset, end - self.trailer_bytes) : end] = 0
+        for handle, (peer, _, numel, _, into) in enumerate(self._recvs):
             if not numel:
                 self._recv_work.append(None)
                 continue
-            target = into.view(-1) if into is not None else buffer[offset : offset + numel]  # type: ignore[index]
+            target = into.view(-1) if into is not None else self._landing(handle)
             self._recv_work.append(self.group.recv([target], peer, self.tag))
 
     def send(self, peer: int, wire: torch.Tensor, trailer: bytes | None = None) -> None:
@@ -330,9 +338,9 @@ class PointToPoint(Transport):
 
 class OneAllToAll(Transport):
     """
-    One all-to-all of the backend per call, at most one send and one receive
-    per peer: every wire (and trailer) is copied once, into its place in the
-    send buffer. Control messages travel in one small all-to-all of their own
+    One all-to-all of the backend per call, a peer's messages one after the
+    other in its part: every wire (and trailer) is copied once, into its
+    place in the send buffer. Control messages travel in one small all-to-all of their own
     before the data.
     """
 
@@ -345,7 +353,6 @@ class OneAllToAll(Transport):
 
     def send(self, peer: int, wire: torch.Tensor, trailer: bytes | None = None) -> None:
         # Laid out (copied) once, in flush(): no joined copy first.
-        self._dtype = wire.dtype
         self._pieces.append((peer, wire, trailer))
 
     def expect(
@@ -381,26 +388,38 @@ class OneAllToAll(Transport):
     def flush(self) -> None:
         if self.world == 1:
             return  # no peers: no communication at all
+        # A peer's messages travel one after the other in its part of the
+        # all-to-all, each aligned as a point-to-point receive would be
+        # (codecs view in-band scales); the peer lays its receives out alike,
+        # in the order it declared them.
         send_sizes, recv_sizes = [0] * self.world, [0] * self.world
+        placed = []
         for peer, wire, trailer in self._pieces:
-            if send_sizes[peer]:
-                raise AssertionError("qcomm: one all-to-all carries one send per peer")
-            numel = wire.numel() + _trailer_elements(trailer, self._dtype)
-            # Aligned, as a point-to-point receive would be (codecs view
-            # in-band scales); the peer pads its receive alike.
-            send_sizes[peer] = _aligned(numel, self._dtype)
-        for peer, _, numel, _ in self._recvs:
+            numel = wire.numel() + _trailer_elements(trailer, wire.dtype)
+            placed.append((send_sizes[peer], peer, wire, trailer))
+            send_sizes[peer] += _aligned(numel * wire.element_size())
+        landing = []
+        for peer, _, numel, dtype, _ in self._recvs:
+            landing.append(recv_sizes[peer])
             if peer not in self._forgotten:
-                recv_sizes[peer] = _aligned(numel, self._dtype)
-        send = _buffers.take(sum(send_sizes), self._dtype, self.device)
+                recv_sizes[peer] += _aligned(numel * dtype.itemsize)
+        send = _buffers.take(sum(send_sizes), torch.uint8, self.device)
         self._joined.append(send)  # given back once the all-to-all is done
         starts = [sum(send_sizes[:p]) for p in range(self.world)]
-        for peer, wire, trailer in self._pieces:
-            _write(send[starts[peer] : starts[peer] + send_sizes[peer]], wire, trailer)
+        for at, peer, wire, trailer in placed:
+            begin = starts[peer] + at
+            _write(
+                send[begin : begin + wire.numel() * wire.element_size() + len(trailer or b"")],
+                wire,
+                trailer,
+            )
         self._pieces = []
         # The all-to-all delivers in peer order: lay the receives out so.
         starts = [sum(recv_sizes[:p]) for p in range(self.world)]
-        self._recvs = [(peer, starts[peer], numel, None) for peer, _, numel, _ in self._recvs]
+        self._recvs = [
+            (peer, starts[peer] + at, numel, dtype, None)
+            for at, (peer, _, numel, dtype, _) in zip(landing, self._recvs)
+        ]
         recv = self._shared(sum(recv_sizes))
         self._work = dist.all_to_all_single(
             recv, send, recv_sizes, send_sizes, group=self.group, async_op=True
@@ -421,19 +440,20 @@ def _trailer_elements(trailer: bytes | None, dtype: torch.dtype) -> int:
 
 
 def _write(out: torch.Tensor, wire: torch.Tensor, trailer: bytes | None) -> None:
-    """Writes ``wire`` then ``trailer`` into ``out``."""
+    """Writes ``wire`` then ``trailer`` into ``out`` (any dtype: its bytes are written)."""
     size = wire.numel() * wire.element_size()
+    out = out.view(torch.uint8)
     if out.device.type == "cpu" and wire.device.type == "cpu" and wire.stride(-1) == 1:
         # numpy's copies cost a fraction of torch's per call: on small calls
         # this is most of what the trailer costs.
-        raw = out.view(torch.uint8).numpy()
+        raw = out.numpy()
         raw[:size] = wire.view(torch.uint8).numpy()
         if trailer is not None:
             raw[size : size + len(trailer)] = numpy.frombuffer(trailer, dtype=numpy.uint8)
         return
-    out[: wire.numel()].copy_(wire)
+    out[:size].view(wire.dtype).copy_(wire)
     if trailer is not None:
-        tail = out.view(torch.uint8)[size : size + len(trailer)]
+        tail = out[size : size + len(trailer)]
         tail.copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8), non_blocking=True)
 
 

@@ -99,6 +99,7 @@ def all_gather_pooled(
             agree.same("codecs.forward", forward)
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
+        forward, backward = call.by_peer(forward), call.by_peer(backward)
         finish = gather_blocks(input.detach(), splits, forward, call, chunk, background=True)
         # Named after its forward call, as the other collectives' backward passes.
         backward_name = f"all_gather_pooled backward of call {call.number}"

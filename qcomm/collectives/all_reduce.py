@@ -17,12 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives._args import check_chunk_bytes, check_codec, check_input
+from qcomm.collectives._args import check_chunk_bytes, check_codec, check_input, resolve_codecs
 from qcomm.collectives._buffers import lease
 from qcomm.collectives._call import Call, begin
-from qcomm.collectives._exchange import Flat, is_identity, recv_order, send_order, start_exchange
-from qcomm.collectives._wire import checked_decode, padded_lengths
-from qcomm.types import CodecInfo, NoOpQuantizedCommCodec
+from qcomm.collectives._coding import is_identity, uniform
+from qcomm.collectives._exchange import Flat, recv_order, send_order, start_exchange
+from qcomm.collectives._hosts import ByHost, host_of_ranks
+from qcomm.collectives._wire import checked_decode
+from qcomm.types import CodecInfo, HostCodecs, NoOpQuantizedCommCodec
 
 __all__ = ["Residuals", "all_reduce", "granule", "layout"]
 
@@ -233,12 +235,16 @@ def all_reduce(
     average: bool = False,
     residuals: Residuals | None = None,
     chunk_bytes: int | None = None,
+    by_host: HostCodecs | None = None,
 ) -> torch.Tensor:
     r"""
-    all_reduce(buffer, *, group=None, reduce_codec=None, gather_codec=None, average=False, residuals=None, chunk_bytes=None) -> Tensor
+    all_reduce(buffer, *, group=None, reduce_codec=None, gather_codec=None, average=False, residuals=None, chunk_bytes=None, by_host=None) -> Tensor
 
     Sums (or averages) a 1-D buffer over the ranks in place: an encoded
-    reduce-scatter, then an encoded all-gather.
+    reduce-scatter, then an encoded all-gather. With ``by_host``, on hosts
+    with equal numbers of ranks, it is hierarchical: a reduce-scatter inside
+    each host, a reduce-scatter and an all-gather of each rank's block
+    between hosts, an all-gather inside each host (see :doc:`topology`).
 
     Every rank ends with the same values, each off the exact sum by at most
     what the codecs' bounds allow (see :class:`~qcomm.CodecInfo` and
@@ -270,6 +276,10 @@ def all_reduce(
             feedback).
         chunk_bytes (int, optional): the exchanges' chunk size, as for the
             collectives. Default: ``None`` (automatic).
+        by_host (HostCodecs, optional): codecs by host, instead of
+            ``reduce_codec`` and ``gather_codec``: each pair's forward codec
+            reduces, its backward codec gathers; error feedback applies
+            between hosts only. Default: ``None``.
 
     Returns:
         Tensor: ``buffer``, holding the result.
@@ -306,29 +316,36 @@ def all_reduce(
                     f"residuals: expected a Residuals or None, got {type(residuals).__name__}"
                 )
             chunk = check_chunk_bytes(chunk_bytes)
-            codecs = []
-            for name, codec in (("reduce_codec", reduce_codec), ("gather_codec", gather_codec)):
-                codec = NoOpQuantizedCommCodec(buffer.dtype) if codec is None else codec
-                check_codec(codec, name, call.backend)
-                codecs.append(codec)
-            bounds = layout(buffer.numel(), world, granule(*codecs))
-            if all(is_identity(codec, buffer.dtype) for codec in codecs):
+            reduce, gather = _codecs(reduce_codec, gather_codec, by_host, buffer.dtype, call)
+            every = _every_codec(reduce) + _every_codec(gather)
+            bounds = layout(buffer.numel(), world, granule(*every))
+            if all(is_identity(codec, buffer.dtype) for codec in every):
                 residuals = None  # nothing is lost, nothing to keep
             if residuals is not None:
                 own = bounds[rank + 1] - bounds[rank]
                 _check_residuals(residuals, buffer.numel(), own, buffer.device)
             agree.same("buffer", f"{buffer.numel()} elements of {buffer.dtype}")
-            agree.same("reduce_codec", codecs[0])
-            agree.same("gather_codec", codecs[1])
+            agree.same("reduce_codec", reduce)
+            agree.same("gather_codec", gather)
             agree.same("average", str(average))
             agree.same("residuals", "error feedback" if residuals is not None else "none")
             agree.same("chunk_bytes", [chunk or 0])
         if world == 1 or buffer.numel() == 0:
             return buffer  # nothing to move: no communication at all
-        state = _Call(buffer, call, bounds, residuals, chunk)
         try:
-            shard = state.reduce_scatter(codecs[0])
-            state.all_gather(codecs[1], shard, average)
+            steps = _steps(reduce, gather, call)
+            work = buffer
+            if len(steps) > 2 and buffer.dtype not in (torch.float32, torch.float64):
+                # Sums between the steps stay in float32, as in one step.
+                work = buffer.float()
+            state = _Call(work, call, bounds, residuals, chunk)
+            for step in steps:
+                if step.gather:
+                    state.all_gather(step, world if average and step.divides else 1)
+                else:
+                    state.reduce_scatter(step)
+            if work is not buffer:
+                buffer.copy_(work)
         except BaseException:
             call.abandon()
             if residuals is not None:
@@ -337,8 +354,93 @@ def all_reduce(
     return buffer
 
 
+def _codecs(
+    reduce_codec: Any, gather_codec: Any, by_host: Any, dtype: torch.dtype, call: Call
+) -> tuple[Any, Any]:
+    """The checked reduce-scatter and all-gather codecs (each a :class:`~._hosts.ByHost` for ``by_host``)."""
+    if by_host is not None:
+        if not isinstance(by_host, HostCodecs):
+            raise TypeError(
+                f"by_host: expected a qcomm.HostCodecs or None, got {type(by_host).__name__}"
+            )
+        if reduce_codec is not None or gather_codec is not None:
+            raise ValueError(
+                "by_host: gives the codecs by host (forward: the reduce-scatter's, backward: "
+                "the all-gather's); leave reduce_codec and gather_codec unset"
+            )
+        return resolve_codecs(by_host, dtype, call.backend)
+    codecs = []
+    for name, codec in (("reduce_codec", reduce_codec), ("gather_codec", gather_codec)):
+        codec = NoOpQuantizedCommCodec(dtype) if codec is None else codec
+        check_codec(codec, name, call.backend)
+        codecs.append(codec)
+    return codecs[0], codecs[1]
+
+
+def _every_codec(codec: Any) -> list[Any]:
+    return [codec.same, codec.other] if isinstance(codec, ByHost) else [codec]
+
+
+@dataclasses.dataclass
+class _Step:
+    """One exchange of an all-reduce: a reduce-scatter or an all-gather, among ``peers``."""
+
+    gather: bool
+    codec: Any
+    peers: list[int]
+    where: str = ""
+    #: whether error feedback (the residuals) applies to it
+    feedback: bool = True
+    #: the blocks each peer (and this rank) sums or holds; default: its own
+    blocks: dict[int, list[int]] | None = None
+    #: whether an all-gather divides the sum first (for an average)
+    divides: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"all_reduce {'all-gather' if self.gather else 'reduce-scatter'}{self.where}"
+
+
+def _steps(reduce: Any, gather: Any, call: Call) -> list[_Step]:
+    """
+    The exchanges of the call: a reduce-scatter and an all-gather among all
+    ranks, or, by host on hosts of equal size, four (see :doc:`topology`).
+    """
+    rank, world = call.rank, call.world
+    everyone = send_order(rank, world)
+    if not isinstance(reduce, ByHost):
+        return [_Step(False, reduce, everyone), _Step(True, gather, everyone)]
+    hosts = host_of_ranks(call.group, reduce.ranks_per_host, call.backend.device)
+    members: dict[int, list[int]] = {}
+    for r, h in enumerate(hosts):
+        members.setdefault(h, []).append(r)
+    sizes = {len(m) for m in members.values()}
+    if len(members) == 1:
+        return [_Step(False, reduce.same, everyone), _Step(True, gather.same, everyone)]
+    if sizes == {1} or len(sizes) > 1:
+        # One rank per host, or hosts of unequal sizes: flat, with one codec
+        # for every peer (an all-gather must give every rank the same values).
+        return [_Step(False, reduce.other, everyone), _Step(True, gather.other, everyone)]
+    place = {r: members[hosts[r]].index(r) for r in range(world)}
+    # Within the host, each peer sums the blocks of the ranks with its place.
+    blocks = {q: [r for r in range(world) if place[r] == place[q]] for q in members[hosts[rank]]}
+    in_host = [q for q in everyone if hosts[q] == hosts[rank]]
+    across = [p for p in everyone if place[p] == place[rank]]
+    return [
+        _Step(False, reduce.same, in_host, " in host", feedback=False, blocks=blocks),
+        _Step(False, reduce.other, across, " between hosts"),
+        _Step(True, gather.other, across, " between hosts"),
+        _Step(True, gather.same, in_host, " in host", False, blocks, divides=False),
+    ]
+
+
 class _Call:
-    """The two exchanges of one all-reduce on this rank."""
+    """
+    The exchanges of one all-reduce on this rank, over the buffer's blocks
+    (block ``r``: what rank ``r`` sums last). Each step exchanges with some
+    peers only; ``blocks[p]`` are the blocks peer ``p`` sums in that step
+    (default: its own).
+    """
 
     def __init__(
         self,
@@ -357,83 +459,96 @@ class _Call:
         self.lengths = [bounds[r + 1] - bounds[r] for r in range(self.world)]
         self.residuals = residuals
         self.chunk_bytes = chunk_bytes
+        #: the blocks this rank has summed (where a sum is not in place)
+        self.sums: dict[int, torch.Tensor] = {}
 
     def block(self, r: int) -> torch.Tensor:
         return self.buffer[self.bounds[r] : self.bounds[r + 1]]
 
-    def reduce_scatter(self, codec: Any) -> torch.Tensor:
-        """Sends every peer its block, returns this rank's summed block (float32 at least)."""
-        rank, world, buf = self.rank, self.world, self.buffer
-        ctx = codec.create_context()
-        padded = padded_lengths(codec, ctx, self.lengths, rank, buf.device)
-        peers = [r for r in send_order(rank, world) if self.lengths[r]]
-        tap: Any = codec
-        if self.residuals is not None and not is_identity(codec, buf.dtype):
-            assert self.residuals.scatter is not None
-            sinks = []
-            for r in peers:
-                residual = self.residuals.scatter[self.bounds[r] : self.bounds[r + 1]]
-                self.block(r).add_(residual)
-                sinks.append(_Sink(self.lengths[r], padded[r], None, residual))
-            tap = _tap(codec)
-            tap.expect(sinks)
-        if not is_identity(codec, buf.dtype):
-            for r in peers:
-                _mark_infinities(self.block(r))
-        mine = self.lengths[rank]
-        own = self.block(rank)
-        # The sum runs in float32 at least: in place, in the block this rank
-        # keeps (it sends it nowhere), or beside it for a narrower dtype.
-        dtype = torch.promote_types(torch.float32, buf.dtype)
-        acc = own if dtype == buf.dtype else lease((mine,), dtype, buf.device)
-        sends = [([r], Flat(self.block(r), padded[r])) for r in peers]
-        recvs = [(s, Flat(acc, padded[rank])) for s in recv_order(rank, world) if mine]
-        self.call.next_exchange("all_reduce reduce-scatter")
-        finish = start_exchange(
-            sends, recvs, tap, ctx, self.call, buf.dtype, self.chunk_bytes, add=True
-        )
-        if isinstance(tap, _Tap):
-            tap.drain()
-        if acc is not own:
-            acc.copy_(own)
-        finish()
-        return acc
+    def _of(self, blocks: dict[int, list[int]] | None, r: int) -> list[int]:
+        return [b for b in (blocks[r] if blocks else [r]) if self.lengths[b]]
 
-    def all_gather(self, codec: Any, shard: torch.Tensor, average: bool) -> None:
-        """Sends this rank's shard to every peer and decodes theirs into the buffer."""
-        rank, world, buf = self.rank, self.world, self.buffer
-        mine = self.block(rank)
-        if average:
-            shard.div_(world)
+    def reduce_scatter(self, step: _Step) -> None:
+        """Sends each peer its blocks, adds theirs of this rank's blocks (in float32 at least)."""
+        rank, buf = self.rank, self.buffer
+        codec, peers, blocks = step.codec, step.peers, step.blocks
+        residuals = self.residuals if step.feedback else None
         identity = is_identity(codec, buf.dtype)
-        residual = None
-        if self.residuals is not None and not identity:
-            residual = self.residuals.gather
-            assert residual is not None
-            shard.add_(residual)
-        if identity:
-            if shard is not mine:
-                mine.copy_(shard)
-            shard = mine
-        elif shard.dtype != torch.float32:
-            shard = shard.float()
+        tap = _tap(codec) if residuals is not None and not identity else None
+        coding = uniform(tap or codec, self.world, buf.dtype)
+        padded = coding[rank].padded(self.lengths, rank, buf.device)
+        sent = [(p, b) for p in peers for b in self._of(blocks, p)]
+        if tap is not None:
+            assert residuals is not None and residuals.scatter is not None
+            sinks = []
+            for _, b in sent:
+                residual = residuals.scatter[self.bounds[b] : self.bounds[b + 1]]
+                self.block(b).add_(residual)
+                sinks.append(_Sink(self.lengths[b], padded[b], None, residual))
+            tap.expect(sinks)
         if not identity:
-            _mark_infinities(shard)
-        ctx = codec.create_context()
-        padded = padded_lengths(codec, ctx, self.lengths, rank, buf.device)
-        tap: Any = codec
-        if not identity:
-            # Every rank taps (the exchange checks that all use one codec);
-            # the owner takes the values its peers decode, once its chunks
-            # (perhaps read from its block) are encoded and sent.
-            tap = _tap(codec)
-            tap.expect([_Sink(len(mine), padded[rank], mine, residual)] if len(mine) else [])
-        sends = [(send_order(rank, world), Flat(shard, padded[rank]))] if len(mine) else []
-        recvs = [
-            (s, Flat(self.block(s), padded[s])) for s in recv_order(rank, world) if self.lengths[s]
-        ]
-        self.call.next_exchange("all_reduce all-gather")
-        finish = start_exchange(sends, recvs, tap, ctx, self.call, buf.dtype, self.chunk_bytes)
-        if isinstance(tap, _Tap):
+            for _, b in sent:
+                _mark_infinities(self.block(b))
+        # The sum runs in float32 at least: in place, in the blocks this rank
+        # keeps (it sends them nowhere), or beside them for a narrower dtype.
+        dtype = torch.promote_types(torch.float32, buf.dtype)
+        kept = self._of(blocks, rank)
+        sums = {b: self.sums.get(b, self.block(b)) for b in kept}
+        if dtype != buf.dtype:
+            sums = {b: lease((self.lengths[b],), dtype, buf.device) for b in kept}
+        senders = [s for s in recv_order(rank, self.world) if s in peers]
+        sends = [([p], Flat(self.block(b), padded[b])) for p, b in sent]
+        recvs = [(s, Flat(sums[b], padded[b])) for s in senders for b in kept]
+        self.call.next_exchange(step.name)
+        finish = start_exchange(
+            sends, recvs, coding, self.call, buf.dtype, self.chunk_bytes, add=True
+        )
+        if tap is not None:
+            tap.drain()
+        for b, total in sums.items():
+            if total is not self.block(b):
+                total.copy_(self.block(b))
+        finish()
+        self.sums = {b: t for b, t in sums.items() if t is not self.block(b)}
+
+    def all_gather(self, step: _Step, divide: int) -> None:
+        """Sends this rank's blocks (divided by ``divide``) to each peer and decodes theirs."""
+        rank, buf = self.rank, self.buffer
+        codec, peers, blocks = step.codec, step.peers, step.blocks
+        identity = is_identity(codec, buf.dtype)
+        # Every rank taps (the exchange checks that all use one codec): the
+        # owner takes the values its peers decode, once its chunks (perhaps
+        # read from its blocks) are encoded and sent.
+        tap = None if identity else _tap(codec)
+        coding = uniform(tap or codec, self.world, buf.dtype)
+        padded = coding[rank].padded(self.lengths, rank, buf.device)
+        residual = self.residuals.gather if self.residuals is not None and step.feedback else None
+        shards = []
+        sinks = []
+        for b in self._of(blocks, rank):
+            mine = self.block(b)
+            shard = self.sums.pop(b, mine)
+            if divide > 1:
+                shard.div_(divide)
+            if residual is not None and not identity:
+                shard.add_(residual)
+            if identity:
+                if shard is not mine:
+                    mine.copy_(shard)
+                shard = mine
+            elif shard.dtype != torch.float32:
+                shard = shard.float()
+            if not identity:
+                _mark_infinities(shard)
+            shards.append((b, shard))
+            sinks.append(_Sink(len(mine), padded[b], mine, residual if not identity else None))
+        if tap is not None:
+            tap.expect(sinks)
+        sends = [(peers, Flat(shard, padded[b])) for b, shard in shards] if peers else []
+        senders = [s for s in recv_order(rank, self.world) if s in peers]
+        recvs = [(s, Flat(self.block(b), padded[b])) for s in senders for b in self._of(blocks, s)]
+        self.call.next_exchange(step.name)
+        finish = start_exchange(sends, recvs, coding, self.call, buf.dtype, self.chunk_bytes)
+        if tap is not None:
             tap.drain()
         finish()

@@ -113,6 +113,7 @@ def all_to_all_pooled(
             agree.same("codecs.forward", forward)
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
+        forward, backward = call.by_peer(forward), call.by_peer(backward)
         finish = pooled_forward(input.detach(), batches, dims, forward, call, chunk)
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
@@ -202,6 +203,7 @@ def all_to_all_sequence(
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
             agree.mirror(sends, recvs)
+        forward, backward = call.by_peer(forward), call.by_peer(backward)
         finish = sequence_exchange(input.detach(), sends, recvs, forward, call, chunk)
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise

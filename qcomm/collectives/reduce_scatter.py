@@ -116,6 +116,7 @@ def reduce_scatter_pooled(
             agree.same("codecs.forward", forward)
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
+        forward, backward = call.by_peer(forward), call.by_peer(backward)
         finish = sum_blocks(input.detach(), splits, forward, call, chunk, background=True)
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise

@@ -1,0 +1,109 @@
+"""
+The codec of each peer of a call, as the exchange uses it: one
+:class:`Coding` per codec (its context, wire dtype, chunk alignment,
+fingerprint and padded widths), and which peer takes which. Most calls give
+every peer the same codec; a :class:`~qcomm.HostCodecs` gives the peers on
+this rank's host one and the others another (see :mod:`._hosts`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from qcomm.collectives._describe import fingerprint
+from qcomm.collectives._wire import padded_lengths, wire_dtype
+from qcomm.types import CodecInfo, NoOpQuantizedCommCodec
+
+
+def is_identity(codec: Any, dtype: torch.dtype) -> bool:
+    """Whether ``codec`` hands data of ``dtype`` over as it is (qcomm's own no-op codec)."""
+    # Only qcomm's own no-op codec is known to hand back what it was given:
+    # its data moves without encoding, or a copy where it can.
+    return type(codec) is NoOpQuantizedCommCodec and codec.quantized_dtype == dtype
+
+
+# The codec fingerprints that statuses carry, by codec object: computed once
+# per object (a codec changed in place after its first call goes unseen here;
+# the agreement check and QCOMM_VERIFY=1 compare it in full every time).
+_prints: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+
+
+def _status_print(codec: Any, identity: bool) -> tuple[int, str]:
+    """The fingerprint and name of ``codec`` for a call's statuses (and headers)."""
+    if identity:
+        # qcomm's own no-op codec: the dtype (in the status) says it all.
+        return 0, "noop"
+    try:
+        found = _prints.get(codec)
+        if found is None:
+            found = _prints[codec] = fingerprint(codec)
+        return found
+    except TypeError:  # not weakly referenceable, or unhashable
+        return fingerprint(codec)
+
+
+class Coding:
+    """One codec of a call on data of ``dtype``, with the context of the call."""
+
+    def __init__(self, codec: Any, dtype: torch.dtype) -> None:
+        self.codec = codec
+        self.ctx = codec.create_context()
+        #: whether the data moves as it is (no encoding, no decoding)
+        self.identity = is_identity(codec, dtype)
+        self.wire_dtype = wire_dtype(codec)
+        self.decode_into = getattr(codec, "decode_into", None)
+        self.print, self.name = _status_print(codec, self.identity)
+        self._padded: dict[tuple[int, ...], list[int]] = {}
+
+    def alignment(self, chunked: bool) -> int | None:
+        """The chunk alignment in elements, or ``None`` for one chunk per region."""
+        info = getattr(self.codec, "info", None)
+        if not chunked or not isinstance(info, CodecInfo) or info.stateful:
+            return None
+        return info.error_block if info.error_block >= 1 else None
+
+    def padded(
+        self,
+        lengths: list[int],
+        index: int,
+        device: torch.device,
+        probe: torch.Tensor | None = None,
+    ) -> list[int]:
+        """The codec's padded width of every entry of ``lengths`` (see :func:`padded_lengths`)."""
+        key = (index, *lengths)
+        if key not in self._padded:
+            self._padded[key] = padded_lengths(
+                self.codec, self.ctx, lengths, index, device, probe=probe
+            )
+        return self._padded[key]
+
+
+class PeerCodings:
+    """The :class:`Coding` of every rank of a call (this rank's own: the one it keeps)."""
+
+    def __init__(self, codecs: list[Any], dtype: torch.dtype) -> None:
+        made: dict[int, Coding] = {}
+        for c in codecs:
+            if id(c) not in made:
+                made[id(c)] = Coding(c, dtype)
+        self.by_rank = [made[id(c)] for c in codecs]
+        #: the distinct codings, in the order of their first rank
+        self.distinct = list(made.values())
+
+    def __getitem__(self, rank: int) -> Coding:
+        return self.by_rank[rank]
+
+    def groups(self, peers: list[int]) -> list[list[int]]:
+        """``peers`` split by coding, each group in the given order."""
+        out: dict[int, list[int]] = {}
+        for p in peers:
+            out.setdefault(id(self.by_rank[p]), []).append(p)
+        return list(out.values())
+
+
+def uniform(codec: Any, world: int, dtype: torch.dtype) -> PeerCodings:
+    """Every rank with ``codec``."""
+    return PeerCodings([codec] * world, dtype)
