@@ -183,6 +183,40 @@ def test_three_ranks_meet_through_a_switch(tmp_path: Any) -> None:
     assert all(p["status"] == "ok" for p in results["collectives"])
 
 
+@needs_namespaces
+def test_two_hosts_of_two_ranks_share_a_namespace_each(tmp_path: Any) -> None:
+    out = tmp_path / "hosts.json"
+    proc = _bench(
+        "--link", "1gbit", "--world-size", "4", "--ranks-per-host", "2", "--quick",
+        "--sizes", "1M", "--codec-size", "64K", "--rounds", "2",
+        "--codecs", "same_host=noop+other_host=int8", "--ops", "pooled", "--no-fbgemm",
+        "--json", str(out),
+    )  # fmt: skip
+    try:
+        # Two namespaces, one per host, and no switch between two hosts.
+        made = _wait_for_namespaces(proc, time.monotonic() + 60)
+        assert sorted(name.rpartition("-")[2] for name in made) == ["h0", "h1"], made
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert _ours(proc.pid) == []
+    results = json.loads(out.read_text())
+    assert results["meta"]["ranks_per_host"] == 2
+    # Measured between hosts (ranks 0 and 2): the shaped link's rate.
+    assert 0.5 * 0.125 < results["link"]["one_way_GBps"] < 1.1 * 0.125, results["link"]
+    points = {p["label"]: p for p in results["collectives"] if p["pass"] == "fwd"}
+    for label, p in points.items():
+        assert p["status"] == "ok", (label, p["error"])
+    # A host's port carries its 2 ranks' blocks for the other host's 2:
+    # 1 MiB at 1 Gbit/s, 8.4 ms, which no series beats.
+    noop = points["noop"]
+    assert noop["link_bound_s"] == pytest.approx(8 * (1 << 20) / 1e9)
+    assert noop["x_link_bound"] > 0.8, noop["x_link_bound"]
+
+
 def test_without_the_tools_it_stops_at_once_saying_what_is_missing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

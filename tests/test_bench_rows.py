@@ -50,10 +50,13 @@ CODEC_FIGURES = [
     "decode_samples_s",
     "spread",
     "break_even_GBps",
+    "crossing_share",
+    "backward_compression_ratio",
 ]
 POINT_KEYS = ["op", "impl", "codec", "label", "pass", "size_bytes", "status", "error"]
 POINT_TIMINGS = [
     "max_rel_error",
+    "rms_rel_error",
     "calls",
     "latency_s",
     "latency_min_s",

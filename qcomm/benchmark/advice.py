@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 from qcomm.benchmark.metrics import predicted_time, relative_spread
+from qcomm.benchmark.options import host_parts
 from qcomm.benchmark.rows import CodecRow, Point, codec_rows, points
 from qcomm.errors import CodecError
 from qcomm.ops import CommOp
@@ -42,6 +43,7 @@ __all__ = [
     "error_budget",
     "expected_speedups",
     "is_noise",
+    "pair_spec",
     "parse_max_error",
     "read_loss_gaps",
     "registry_string",
@@ -159,7 +161,36 @@ class Advice:
     pair: str = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.pair = f"{self.forward}/{self.backward}"
+        self.pair = pair_spec(self.forward, self.backward)
+
+
+def pair_spec(forward: str, backward: str) -> str:
+    r"""
+    pair_spec(forward: str, backward: str) -> str
+
+    The registry entry of a forward and a backward pick: ``forward/backward``,
+    or, where either is codecs by host, codecs by host whose every pair takes
+    the forward pick's forward codec for that class of peer and the backward
+    pick's (a pick's forward codecs are what the bench measured it by).
+
+    Args:
+        forward (str): the forward pick, a spec or codecs by host.
+        backward (str): the backward pick.
+
+    Examples::
+
+        >>> pair_spec("int8", "bf16")
+        'int8/bf16'
+        >>> pair_spec("same_host=noop+other_host=int8", "bf16")
+        'same_host=noop/bf16+other_host=int8/bf16'
+    """
+    picks = [(spec, host_parts(spec)) for spec in (forward, backward)]
+    if all(parts is None for _, parts in picks):
+        return f"{forward}/{backward}"
+    sides = [parts or {"same_host": spec, "other_host": spec} for spec, parts in picks]
+    out = [f"{key}={sides[0][key]}/{sides[1][key]}" for key in ("same_host", "other_host")]
+    given = [side["ranks_per_host"] for side in sides if "ranks_per_host" in side]
+    return "+".join(out + [f"ranks_per_host={n}" for n in given[:1]])
 
 
 def _largest_forward(results: dict[str, Any]) -> dict[str, dict[str, Point]]:

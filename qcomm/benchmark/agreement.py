@@ -110,13 +110,16 @@ def agree_on_loads(session: Session, candidates: list[Candidate]) -> None:
         RuntimeError: if the ranks loaded different lists of codecs.
     """
     for candidate in candidates:
-        devices = codec_info(candidate.codec).devices if candidate.codec is not None else ()
-        if candidate.codec is not None and session.device.type not in devices:
-            candidate.codec = None
-            candidate.error = (
-                f"the codec runs on {', '.join(devices)} (CodecInfo.devices), "
-                f"this run is on {session.device.type}"
-            )
+        for codec in candidate.codecs():  # both pairs of codecs by host
+            devices = codec_info(codec).devices
+            if session.device.type not in devices:
+                name = codec_info(codec).name
+                candidate.codec = None
+                candidate.error = (
+                    f"the codec {name} runs on {', '.join(devices)} (CodecInfo.devices), "
+                    f"this run is on {session.device.type}"
+                )
+                break
     gathered = session.gather([c.error for c in candidates])
     if len({len(errors) for errors in gathered}) != 1:
         raise RuntimeError(f"ranks disagree on the codecs to measure: {gathered}")

@@ -1,7 +1,8 @@
 r"""
 The codecs of a ``qcomm bench`` run (:class:`Candidate`: qcomm's from the
-entry points, and fbgemm-gpu's codec of the same format where it is
-importable) and what is measured of each on its own (:func:`measure_codec`).
+entry points, codecs by host given as ``same_host=...+other_host=...``, and
+fbgemm-gpu's codec of the same format where it is importable) and what is
+measured of each on its own (:func:`measure_codec`, :func:`measure_host_codecs`).
 
 fbgemm runs with its own defaults (e.g. int8 rows of 32 elements), whatever
 options the qcomm spec has; its FP8 codec on CPU is the tensor-wise one,
@@ -21,15 +22,18 @@ import torch
 from qcomm.benchmark.metrics import error_stats
 from qcomm.benchmark.timing import time_samples
 from qcomm.discovery import codec_entries, load_codec
-from qcomm.specs import parse_codec_spec
-from qcomm.types import CodecError, codec_info, read_quantized_dtype
+from qcomm.registry import load_pair
+from qcomm.specs import parse_codec_spec, parse_host_spec
+from qcomm.types import CodecError, HostCodecs, codec_info, read_quantized_dtype
 
 __all__ = [
     "FBGEMM_FORMATS",
     "Candidate",
     "default_codecs",
+    "crossing_elements",
     "load_candidates",
     "measure_codec",
+    "measure_host_codecs",
 ]
 
 # fbgemm's FP8 without a row dim (TorchRec's default) is the unscaled 1-4-3
@@ -50,17 +54,33 @@ class Candidate:
     One codec of the run, loaded or not: a row of the report.
 
     Args:
-        label (str): how the report names it: the spec (``"int8:row_dim=64"``)
+        label (str): how the report names it: the spec (``"int8:row_dim=64"``,
+            codecs by host as given: ``"same_host=noop+other_host=int8"``)
             or ``"fbgemm:<format>"``.
-        source (str): ``"qcomm"`` (an entry-point codec) or ``"fbgemm"``.
-        codec (Any | None): the codec, or ``None`` if it could not be built.
+        source (str): ``"qcomm"`` (an entry-point codec, or codecs by host) or ``"fbgemm"``.
+        codec (Any | None): the codec (a :class:`~qcomm.HostCodecs` for codecs
+            by host), or ``None`` if it could not be built.
         error (str | None): why it could not be built.
+        by_host (bool): codecs by host, whether built or not.
     """
 
     label: str
     source: str
     codec: Any | None
     error: str | None = None
+    by_host: bool = False
+
+    def codecs(self) -> list[Any]:
+        r"""
+        codecs() -> list[Any]
+
+        Every codec object the candidate runs (both pairs of codecs by
+        host); none if it could not be built.
+        """
+        if isinstance(self.codec, HostCodecs):
+            pairs = (self.codec.same_host, self.codec.other_host)
+            return [codec for pair in pairs for codec in (pair.forward, pair.backward)]
+        return [] if self.codec is None else [self.codec]
 
 
 class _RowsOf:
@@ -123,9 +143,20 @@ def default_codecs() -> list[str]:
     return sorted(chosen)
 
 
+def _is_host_spec(spec: str) -> bool:
+    try:
+        return parse_host_spec(spec) is not None
+    except CodecError:
+        return True  # malformed codecs by host: a failed row of its own
+
+
 def _with_noop_first(specs: list[str]) -> list[str]:
-    rest = [s for s in specs if parse_codec_spec(s) != ("noop", {})]
+    rest = [s for s in specs if _is_host_spec(s) or parse_codec_spec(s) != ("noop", {})]
     return ["noop", *rest]
+
+
+def _load(spec: str) -> Any:
+    return load_pair(spec, "--codecs") if _is_host_spec(spec) else load_codec(spec)
 
 
 def _fbgemm_factory() -> tuple[Any, Any]:
@@ -157,14 +188,18 @@ def load_candidates(specs: list[str] | None, fbgemm: bool) -> tuple[list[Candida
     chosen = _with_noop_first(default_codecs() if specs is None else list(specs))
     candidates = []
     for spec in chosen:
+        by_host = _is_host_spec(spec)
         try:
-            candidates.append(Candidate(spec, "qcomm", load_codec(spec)))
+            candidates.append(Candidate(spec, "qcomm", _load(spec), by_host=by_host))
         except Exception as err:  # a broken plugin is a row of the report, not the end of the run
-            candidates.append(Candidate(spec, "qcomm", None, f"{type(err).__name__}: {err}"))
+            error = f"{type(err).__name__}: {err}"
+            candidates.append(Candidate(spec, "qcomm", None, error, by_host=by_host))
     if not fbgemm:
         return candidates, None
     formats = []
     for spec in chosen:
+        if _is_host_spec(spec):
+            continue  # TorchRec's collectives take one codec for every peer
         fmt = FBGEMM_FORMATS.get(parse_codec_spec(spec)[0])
         if fmt is not None and fmt not in formats:
             formats.append(fmt)
@@ -217,8 +252,24 @@ def measure_codec(codec: Any, x: torch.Tensor, *, budget: float, max_calls: int)
         >>> figures["wire_bytes"], figures["max_rel_error"]
         (256, 0.0)
     """
-    n = x.numel()
     reference, x = x, x.clone()  # the codec may not write into the reference
+    wire, decoded, ctx = _round_trip(codec, x)
+    stats = error_stats(reference, decoded)
+    encode = _samples(lambda: codec.encode(x, codec.create_context()), x, budget, max_calls)
+    decode = _samples(lambda: codec.decode(wire, ctx), x, budget, max_calls)
+    return {
+        **_timed(encode, decode),
+        **_wire_figures(codec, wire),
+        "max_rel_error": stats.max_rel,
+        "rms_rel_error": stats.rms_rel,
+        "sqnr_db": stats.sqnr_db,
+    }
+
+
+def _round_trip(codec: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    # Encodes and decodes x once, checking the sizes; the wire, the decoded
+    # values (a tensor of their own) and the context.
+    n = x.numel()
     ctx = codec.create_context()
     wire = codec.encode(x, ctx)
     decoded = codec.decode(wire, ctx)
@@ -230,35 +281,114 @@ def measure_codec(codec: Any, x: torch.Tensor, *, budget: float, max_calls: int)
         )
     if decoded.numel() != n:
         raise CodecError(f"decode returned {decoded.numel()} elements for {n} inputs")
-    stats = error_stats(reference, decoded)
-    # At least 15 samples each: their median is steady, and their spread
-    # says how far to trust it.
-    encode = time_samples(
-        lambda: codec.encode(x, codec.create_context()),
-        x.device,
-        budget=budget,
-        min_calls=15,
-        max_calls=max(15, max_calls),
-    )
-    decode = time_samples(
-        lambda: codec.decode(wire, ctx),
-        x.device,
-        budget=budget,
-        min_calls=15,
-        max_calls=max(15, max_calls),
-    )
-    encode_s, decode_s = statistics.median(encode), statistics.median(decode)
+    return wire, decoded.reshape(-1).clone(), ctx
+
+
+def _samples(fn: Any, x: torch.Tensor, budget: float, max_calls: int) -> list[float]:
+    # At least 15 samples: their median is steady, and their spread says how
+    # far to trust it.
+    return time_samples(fn, x.device, budget=budget, min_calls=15, max_calls=max(15, max_calls))
+
+
+def _timed(encode: list[float], decode: list[float]) -> dict[str, Any]:
     return {
-        "encode_s": encode_s,
-        "decode_s": decode_s,
+        "encode_s": statistics.median(encode),
+        "decode_s": statistics.median(decode),
         "encode_samples_s": encode,
         "decode_samples_s": decode,
+    }
+
+
+def _wire_figures(codec: Any, wire: torch.Tensor) -> dict[str, Any]:
+    return {
         "wire_dtype": str(wire.dtype).removeprefix("torch."),
         "wire_elements": wire.numel(),
         "wire_bytes": wire.numel() * wire.element_size(),
-        "calc_quantized_size": expected,
+        "calc_quantized_size": wire.numel(),  # checked equal by _round_trip
         "declared_bits_per_element": codec_info(codec).bits_per_element,
+    }
+
+
+def crossing_elements(n: int, world_size: int, ranks_per_host: int) -> int:
+    r"""
+    crossing_elements(n: int, world_size: int, ranks_per_host: int) -> int
+
+    Of the ``n`` elements a rank sends in an all-to-all or a reduce-scatter,
+    a block to each rank (its own included), how many go to ranks on other
+    hosts: :math:`n (W - K) / W`, rounded down, at least one.
+
+    Args:
+        n (int): elements.
+        world_size (int): :math:`W`, ranks.
+        ranks_per_host (int): :math:`K`, ranks per host.
+
+    Examples::
+
+        >>> crossing_elements(1000, 4, 2), crossing_elements(1000, 4, 1)
+        (500, 750)
+    """
+    return max(1, min(n, n * (world_size - ranks_per_host) // world_size))
+
+
+def measure_host_codecs(
+    codecs: HostCodecs, x: torch.Tensor, *, crossing: int, budget: float, max_calls: int
+) -> dict[str, Any]:
+    r"""
+    measure_host_codecs(codecs: HostCodecs, x: Tensor, *, crossing: int, budget: float, max_calls: int) -> dict[str, Any]
+
+    :func:`measure_codec`'s figures for codecs by host, on ``x`` split as a
+    collective splits a rank's data: its last ``crossing`` elements go to
+    other hosts through the ``other_host`` forward codec, the rest through the
+    ``same_host`` one. The times and the errors are of all of ``x``, both
+    codecs at work; the wire figures are of what crosses hosts, the bytes on
+    the link between them.
+
+    Args:
+        codecs (HostCodecs): the codecs.
+        x (Tensor): the input, 1-D float32.
+        crossing (int): elements of ``x`` sent to other hosts (:func:`crossing_elements`).
+        budget (float): seconds of timed calls for each of encode and decode.
+        max_calls (int): timed calls at most for each (at least 15 are made).
+
+    Returns:
+        dict[str, Any]: :func:`measure_codec`'s keys, and ``crossing_elements``
+        and ``backward_wire_bytes`` (the ``other_host`` backward codec's wire
+        for the crossing elements).
+
+    Examples::
+
+        >>> import torch
+        >>> from qcomm.registry import load_pair
+        >>> codecs = load_pair("same_host=noop+other_host=fp16")
+        >>> x = torch.linspace(-1, 1, 64)
+        >>> figures = measure_host_codecs(codecs, x, crossing=32, budget=0.0, max_calls=1)
+        >>> figures["wire_bytes"], figures["backward_wire_bytes"], figures["max_rel_error"] > 0
+        (64, 64, True)
+    """
+    n = x.numel()
+    other, same = codecs.other_host, codecs.same_host
+    split = n - crossing
+    parts = [(same.forward, x[:split].clone()), (other.forward, x[split:].clone())]
+    parts = [(codec, part) for codec, part in parts if part.numel()]
+    trips = [(codec, *_round_trip(codec, part)) for codec, part in parts]
+    stats = error_stats(x, torch.cat([decoded for _, _, decoded, _ in trips]))
+
+    def encode() -> None:
+        for codec, part in parts:
+            codec.encode(part, codec.create_context())
+
+    def decode() -> None:
+        for codec, wire, _, ctx in trips:
+            codec.decode(wire, ctx)
+
+    crossing_wire = trips[-1][1]
+    backward = other.backward.encode(x[split:].clone(), other.backward.create_context())
+    return {
+        **_timed(_samples(encode, x, budget, max_calls), _samples(decode, x, budget, max_calls)),
+        **_wire_figures(other.forward, crossing_wire),
         "max_rel_error": stats.max_rel,
         "rms_rel_error": stats.rms_rel,
         "sqnr_db": stats.sqnr_db,
+        "crossing_elements": crossing,
+        "backward_wire_bytes": backward.numel() * backward.element_size(),
     }

@@ -26,6 +26,7 @@ from qcomm.benchmark.options import (
     TRAIN_SHARDINGS,
     TRAIN_WARM_UP_STEPS,
     BenchConfig,
+    check_spec,
     format_size,
     parse_number,
     parse_ops,
@@ -35,7 +36,7 @@ from qcomm.benchmark.options import (
 )
 from qcomm.discovery import available_codecs, load_codec
 from qcomm.errors import CodecError
-from qcomm.specs import parse_codec_spec
+from qcomm.specs import parse_host_spec
 
 __all__ = ["add_bench_arguments", "config_from_args", "run_bench"]
 
@@ -65,7 +66,7 @@ def _as_argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _one_spec(text: str) -> list[str]:
-    parse_codec_spec(text)  # raises on a malformed spec, naming it
+    check_spec(text)  # raises on a malformed spec, naming it
     return [text.strip()]
 
 
@@ -149,6 +150,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=_number("--world-size", int, 1, 1024),
         metavar="N",
         help="local ranks to spawn without a launcher (at least 2). Default: 2",
+    )
+    parser.add_argument(
+        "--ranks-per-host",
+        type=_number("--ranks-per-host", int, 1, 1024),
+        metavar="K",
+        help="emulate hosts of K ranks each: ranks r with the same r // K share one (every "
+        "rank gets QCOMM_RANKS_PER_HOST=K, which codecs by host such as "
+        "'same_host=noop+other_host=int8' follow), and with --link a host's ranks share one "
+        "network namespace, talking over its loopback, with the shaped link between hosts. "
+        "A divisor of the world size that leaves at least 2 hosts. Default: 1 for local ranks",
     )
     parser.add_argument(
         "--quick",
@@ -329,12 +340,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     config = BenchConfig(quick=args.quick, fbgemm=args.fbgemm, timeout=args.timeout, seed=args.seed)
     config.command = list(sys.argv)
     if args.codecs:
+        from qcomm.registry import load_pair  # torch: a run needs it anyway
+
         config.codecs = [spec for group in args.codecs for spec in group]
         for spec in config.codecs:
             # A codec the user named that cannot be built stops the run here,
             # before any rank starts, rather than after the whole benchmark.
             try:
-                load_codec(spec)
+                load_pair(spec) if parse_host_spec(spec) else load_codec(spec)
             except CodecError as err:
                 raise ValueError(f"--codecs: {spec!r} cannot be used: {err}") from err
     if args.sizes:
@@ -375,6 +388,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                 f"got {args.world_size}"
             )
         config.world_size = args.world_size
+    config.ranks_per_host = _ranks_per_host(args.ranks_per_host, config.world_size)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
     if config.train:
         _check_train_memory(config, local_ranks)
@@ -391,6 +405,31 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     config.json_path = os.path.abspath(args.json) if args.json else None
     config.plot_path = os.path.abspath(args.plot) if args.plot else None
     return config
+
+
+def _ranks_per_host(given: int | None, world_size: int) -> int | None:
+    """--ranks-per-host checked against the world size; not given, a launcher's layout, if any."""
+    from qcomm.benchmark.session import RANKS_PER_HOST_ENV, launcher_env
+
+    if given is None:
+        if not launcher_env():
+            return None
+        # The launcher's layout, as qcomm's collectives read it, if it makes
+        # hosts of equal size; else the figures count every rank as a host.
+        for name in (RANKS_PER_HOST_ENV, "LOCAL_WORLD_SIZE"):
+            raw = os.environ.get(name, "").strip()
+            if raw:
+                value = int(raw) if raw.isdigit() else 0
+                equal = value >= 1 and world_size % value == 0 and world_size // value >= 2
+                return value if equal else None
+        return None
+    fits = [k for k in range(1, world_size // 2 + 1) if world_size % k == 0]
+    if given not in fits:
+        raise ValueError(
+            f"--ranks-per-host: expected a divisor of the world size {world_size} that leaves "
+            f"at least 2 hosts ({', '.join(map(str, fits)) or 'none'}), got {given}"
+        )
+    return given
 
 
 # A rank holds at least the shared input, its own input, the expected output

@@ -22,6 +22,7 @@ __all__ = [
     "add_pytorch_ratios",
     "add_speedups",
     "rounds",
+    "series_ratio",
     "torchrec_label",
 ]
 
@@ -89,23 +90,74 @@ def torchrec_label(label: str) -> str | None:
     return None if fmt is None or label != name else f"torchrec[fbgemm:{fmt.lower()}]"
 
 
+def series_ratio(p: Point, row: CodecRow | None, ranks_per_host: int = 1) -> float | None:
+    r"""
+    series_ratio(p: Point, row: CodecRow | None, ranks_per_host: int = 1) -> float | None
+
+    The compression ratio of a series on the link between hosts: noop's
+    bytes there over the series'. One codec's is its row's. Codecs by host
+    send their ``other_host`` codecs' bytes between hosts: the forward
+    codec's, and where both passes cross (forward and backward, or the
+    all-reduce's reduce-scatter and all-gather) the mean of the two codecs'
+    bytes; their all-reduce is hierarchical, so each host's ranks send
+    ``1 / ranks_per_host`` of what the flat all-reduce sends between hosts.
+
+    Args:
+        p (Point): the series at one size and pass.
+        row (CodecRow, optional): its codec's row; ``None`` if there is none.
+        ranks_per_host (int, optional): :math:`K`. Default: ``1``.
+
+    Examples::
+
+        >>> row = CodecRow(codec="other_host=int8/fp16", source="qcomm", status="ok",
+        ...                compression_ratio=4.0, backward_compression_ratio=2.0,
+        ...                crossing_share=0.5)
+        >>> point = Point(op="all_reduce", impl="qcomm", codec=row.codec, label=row.codec,
+        ...               passes="fwd", size_bytes=64, status="ok")
+        >>> round(series_ratio(point, row, ranks_per_host=2), 3)  # 2 / (1/4 + 1/2), twice
+        5.333
+    """
+    if p.impl == "bare" or p.codec in ("none", "noop"):
+        return 1.0
+    if row is None or row.status != "ok":
+        return None
+    forward = row.compression_ratio
+    if row.crossing_share is None or forward is None:
+        return forward
+    backward = row.backward_compression_ratio or forward
+    dense = p.op == DenseOp.ALL_REDUCE.value
+    if p.passes == "fwd" and not dense:
+        return forward
+    both = 2 / (1 / forward + 1 / backward)
+    return both * ranks_per_host if dense else both
+
+
+def _hosts_of(row: CodecRow | None, world_size: int, ranks_per_host: int) -> int:
+    # The ranks per host codecs by host went by: their spec's ranks_per_host
+    # where it gives one, which their crossing share follows.
+    if row is None or row.crossing_share is None:
+        return ranks_per_host
+    return max(1, round(world_size * (1 - row.crossing_share)))
+
+
 def add_comparisons(
     points: list[Point],
     codec_rows: list[CodecRow],
     link: dict[str, Any] | None,
     world_size: int,
     unlimited: Unlimited | None,
+    ranks_per_host: int = 1,
 ) -> None:
     r"""
-    add_comparisons(points: list[Point], codec_rows: list[CodecRow], link: dict[str, Any] | None, world_size: int, unlimited: Unlimited | None) -> None
+    add_comparisons(points: list[Point], codec_rows: list[CodecRow], link: dict[str, Any] | None, world_size: int, unlimited: Unlimited | None, ranks_per_host: int = 1) -> None
 
     Sets what each point is worth: against the link's bound (the float32
-    bytes that cross each rank's port, shrunk by the codec's ratio), against
-    TorchRec's all-to-all with fbgemm's codec of the same format, and the
-    model's figures (:func:`~qcomm.benchmark.metrics.predicted_time`): the
-    bytes each call puts on a port, its time without a link limit, and with
-    an emulated link the time the model predicts there; then
-    :func:`add_break_evens`.
+    bytes that cross each host's port, shrunk by the series' ratio,
+    :func:`series_ratio`), against TorchRec's all-to-all with fbgemm's codec
+    of the same format, and the model's figures
+    (:func:`~qcomm.benchmark.metrics.predicted_time`): the bytes each call
+    puts on a port, its time without a link limit, and with an emulated link
+    the time the model predicts there; then :func:`add_break_evens`.
 
     Args:
         points (list[Point]): every point of the run.
@@ -115,22 +167,28 @@ def add_comparisons(
         unlimited (Unlimited, optional): qcomm's times with the link's limit
             lifted; ``None``: the points' own times have no link limit
             (loopback); empty: none is known (a launcher's ranks).
+        ranks_per_host (int, optional): :math:`K`, ranks sharing a host and
+            its port; ``1``: every rank has a port of its own. Default: ``1``.
     """
-    ratios = {r.codec: r.compression_ratio for r in codec_rows if r.status == "ok"}
-    ratios.update({"none": 1.0, "noop": 1.0})
+    rows = {r.codec: r for r in codec_rows}
     rate = link["rate_bps"] if link else None
     measured = link.get("both_ways_GBps") if link else None
     efficiency = measured * 1e9 * 8 / rate if rate and measured else TCP_EFFICIENCY
     latency = {p.key: p.latency_s for p in points if p.status == "ok"}
+    # What a host's port carries of a call: its ranks' blocks for the ranks
+    # of other hosts.
+    k = ranks_per_host
+    share = k * (world_size - k) / world_size
     for p in points:
-        ratio = 1.0 if p.impl == "bare" else ratios.get(p.codec)
+        row = rows.get(p.codec)
+        ratio = series_ratio(p, row, _hosts_of(row, world_size, k))
         p.compression_ratio = ratio
         if ratio and world_size > 1:
             # The backward pass sends as much again, the other way round.
             transfers = 2 if p.passes == "fwd+bwd" else 1
             if p.op == DenseOp.ALL_REDUCE.value:  # a reduce-scatter and an all-gather
                 transfers *= 2
-            crossing = transfers * p.size_bytes * (world_size - 1) / world_size
+            crossing = transfers * p.size_bytes * share
             p.link_bytes = crossing / ratio / efficiency
             if rate:
                 p.link_bound_s = crossing * 8 / rate / ratio

@@ -32,6 +32,7 @@ from qcomm.benchmark.session import (
     EXIT_ERROR,
     HEARTBEAT_ENV,
     LINK_CONTROL_ENV,
+    RANKS_PER_HOST_ENV,
     Session,
 )
 from qcomm.benchmark.train import run_train
@@ -56,6 +57,9 @@ def run_distributed(config: BenchConfig, local: bool = False) -> int:
         this rank's stderr).
     """
     rank = os.environ.get("RANK", "?")
+    if config.ranks_per_host is not None:
+        # Before any collective: qcomm's codecs by host read it on every call.
+        os.environ[RANKS_PER_HOST_ENV] = str(config.ranks_per_host)
     try:
         session = Session(config, local)
     except Exception:
@@ -114,9 +118,12 @@ def spawn_local(config: BenchConfig, poll_s: float = 0.2) -> int:
 
     Runs ``qcomm bench`` on ``config.world_size`` local gloo ranks, over an
     emulated link when ``config.link`` is set (:mod:`~qcomm.benchmark.link`),
-    and waits for them. Each rank gets ``cpu_count / world_size`` threads
-    unless ``OMP_NUM_THREADS`` is set; rank 0 shares this terminal, the
-    others' output is shown if they fail.
+    and waits for them. Every rank is told its host's size
+    (``QCOMM_RANKS_PER_HOST``: ``config.ranks_per_host``, else 1, each rank a
+    host of its own, as the report's model of the link counts them). Each
+    rank gets ``cpu_count / world_size`` threads unless ``OMP_NUM_THREADS``
+    is set; rank 0 shares this terminal, the others' output is shown if they
+    fail.
 
     Args:
         config (BenchConfig): the run's settings.
@@ -130,7 +137,8 @@ def spawn_local(config: BenchConfig, poll_s: float = 0.2) -> int:
     if config.link is None:
         return _spawn(config, poll_s, None)
     try:
-        with Link(config.world_size, parse_rate(config.link)) as link:
+        per_host = config.ranks_per_host or 1
+        with Link(config.world_size, parse_rate(config.link), per_host) as link:
             return _spawn(config, poll_s, link)
     except LinkError as err:
         print(f"qcomm bench: {err}", file=sys.stderr)
@@ -155,6 +163,8 @@ def _spawn(config: BenchConfig, poll_s: float, link: Link | None) -> int:
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
             "OMP_NUM_THREADS": threads,
+            # Over any value of this shell's: the link's namespaces follow this one.
+            RANKS_PER_HOST_ENV: str(config.ranks_per_host or 1),
             PARENT_ENV: str(os.getpid()),
         }
         control = workdir / "link-request"

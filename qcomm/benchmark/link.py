@@ -1,7 +1,8 @@
 r"""
 The emulated network link of ``qcomm bench --link RATE`` (see :doc:`/bench`):
-a network namespace per rank, joined by veth devices shaped to ``RATE`` each
-way with ``tc``'s token-bucket filter; two ranks by one veth pair, more
+a network namespace per host (per rank, or per ``--ranks-per-host`` ranks,
+which talk over its loopback), joined by veth devices shaped to ``RATE``
+each way with ``tc``'s token-bucket filter; two hosts by one veth pair, more
 through a bridge. Namespaces are named after this process
 (``qcomm-<pid>-...``): those of a run killed outright are removed by the next.
 Needs iproute2's ``ip`` and ``tc``, and root or, for another user, the
@@ -213,10 +214,14 @@ class Link:
     leaving (normal end, error, Ctrl-C or SIGTERM) removes it.
 
     Args:
-        world_size (int): ranks, one namespace each.
+        world_size (int): ranks.
         bits_per_second (float): the rate of every port, each direction.
+        ranks_per_host (int, optional): ranks per namespace, ranks numbered
+            host by host; they share its address and talk over its loopback,
+            unshaped. Default: ``1``.
 
     Raises:
+        ValueError: if ``ranks_per_host`` does not divide ``world_size``.
         LinkError: if the link cannot be built; nothing is left behind.
 
     Examples::
@@ -224,38 +229,69 @@ class Link:
         >>> link = Link(2, 1e9)
         >>> link.address(0), link.command(1, ["python"])[:4]  # doctest: +ELLIPSIS
         ('10.213.0.1', ['ip', 'netns', 'exec', 'qcomm-...-r1'])
+        >>> hosts = Link(4, 1e9, ranks_per_host=2)
+        >>> [hosts.address(r) for r in range(4)]
+        ['10.213.0.1', '10.213.0.1', '10.213.0.2', '10.213.0.2']
+        >>> hosts.namespace(1) == hosts.namespace(0) != hosts.namespace(2)
+        True
     """
 
-    def __init__(self, world_size: int, bits_per_second: float) -> None:
+    def __init__(self, world_size: int, bits_per_second: float, ranks_per_host: int = 1) -> None:
+        if ranks_per_host < 1 or world_size % ranks_per_host:
+            raise ValueError(
+                f"ranks_per_host: expected a divisor of the world size {world_size}, "
+                f"got {ranks_per_host}"
+            )
         self.world_size = world_size
         self.bits_per_second = bits_per_second
+        self.ranks_per_host = ranks_per_host
+        #: namespaces joined by the shaped link
+        self.hosts = world_size // ranks_per_host
         self._tag = f"{_PREFIX}{os.getpid()}"
         self._made: list[str] = []
         self._old_handler: Any = None
-        #: every rank's link device (what ``GLOO_SOCKET_IFNAME`` names)
+        #: every host's link device (what ``GLOO_SOCKET_IFNAME`` names)
         self.interface = _INTERFACE
+
+    def host(self, rank: int) -> int:
+        r"""
+        host(rank: int) -> int
+
+        The host (namespace) of a rank, ``rank // ranks_per_host``.
+
+        Args:
+            rank (int): the rank.
+        """
+        return rank // self.ranks_per_host
+
+    def _host_namespace(self, host: int) -> str:
+        # One rank per host keeps the names of one namespace per rank.
+        kind = "r" if self.ranks_per_host == 1 else "h"
+        return f"{self._tag}-{kind}{host}"
 
     def namespace(self, rank: int) -> str:
         r"""
         namespace(rank: int) -> str
 
-        The network namespace of a rank, ``qcomm-<pid>-r<rank>``.
+        The network namespace of a rank's host: ``qcomm-<pid>-r<rank>`` with
+        one rank per host, else ``qcomm-<pid>-h<host>``.
 
         Args:
             rank (int): the rank.
         """
-        return f"{self._tag}-r{rank}"
+        return self._host_namespace(self.host(rank))
 
     def address(self, rank: int) -> str:
         r"""
         address(rank: int) -> str
 
-        A rank's IPv4 address on the link, e.g. ``"10.213.0.1"`` for rank 0.
+        A rank's IPv4 address on the link, its host's: e.g. ``"10.213.0.1"``
+        for rank 0.
 
         Args:
             rank (int): the rank.
         """
-        return f"{_SUBNET}.{rank + 1}"
+        return f"{_SUBNET}.{self.host(rank) + 1}"
 
     def command(self, rank: int, argv: list[str]) -> list[str]:
         r"""
@@ -269,13 +305,17 @@ class Link:
         """
         return ["ip", "netns", "exec", self.namespace(rank), *argv]
 
+    def _switch(self) -> str | None:
+        # Two hosts are joined by one veth pair; more by a bridge in a namespace of its own.
+        return None if self.hosts == 2 else f"{self._tag}-switch"
+
     def _shaped(self) -> list[tuple[str, str]]:
         # Every (namespace, device) whose egress is shaped.
-        ranks = [(self.namespace(r), _INTERFACE) for r in range(self.world_size)]
-        if self.world_size == 2:
-            return ranks
-        switch = f"{self._tag}-switch"
-        return ranks + [(switch, f"port{r}") for r in range(self.world_size)]
+        hosts = [(self._host_namespace(h), _INTERFACE) for h in range(self.hosts)]
+        switch = self._switch()
+        if switch is None:
+            return hosts
+        return hosts + [(switch, f"port{h}") for h in range(self.hosts)]
 
     def set_shaping(self, on: bool) -> None:
         r"""
@@ -289,53 +329,72 @@ class Link:
         """
         for namespace, device in self._shaped():
             if on:
-                self._shape(namespace, device, "replace")
+                _run(*self._shape(namespace, device, "replace"))
             else:
                 _run("ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root")
 
-    def _shape(self, namespace: str, device: str, verb: str = "add") -> None:
+    def _shape(self, namespace: str, device: str, verb: str = "add") -> list[str]:
         rate = tc_rate(self.bits_per_second)
         # The bucket holds about a millisecond of traffic (at least 128 KiB):
         # enough for the kernel's timer to keep the rate, too little to
         # change a transfer's duration.
         burst = max(128 * 1024, int(self.bits_per_second / 8 / 1000))
-        _run(
+        return [
             "ip", "netns", "exec", namespace, "tc", "qdisc", verb, "dev", device,
             "root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms",
-        )  # fmt: skip
+        ]  # fmt: skip
 
-    def _add_namespace(self, name: str) -> None:
-        _run("ip", "netns", "add", name)
-        self._made.append(name)
-        _run("ip", "-n", name, "link", "set", "lo", "up")
+    def plan(self) -> list[list[str]]:
+        r"""
+        plan() -> list[list[str]]
 
-    def _build(self) -> None:
-        ranks = [self.namespace(r) for r in range(self.world_size)]
-        for name in ranks:
-            self._add_namespace(name)
-        if self.world_size == 2:
-            _run(
-                "ip", "-n", ranks[0], "link", "add", _INTERFACE, "type", "veth",
-                "peer", "name", _INTERFACE, "netns", ranks[1],
+        The ``ip`` and ``tc`` commands that build the link, in order: a
+        namespace per host with its loopback up, the veth devices between
+        them (a pair, or one to each port of a bridge), each host's address
+        and the shaping of every port. Entering runs them.
+
+        Examples::
+
+            >>> plan = Link(4, 1e9, ranks_per_host=2).plan()
+            >>> sum(argv[:3] == ["ip", "netns", "add"] for argv in plan)  # two hosts, no switch
+            2
+        """
+        hosts = [self._host_namespace(h) for h in range(self.hosts)]
+        switch = self._switch()
+        out: list[list[str]] = []
+        for name in hosts if switch is None else [*hosts, switch]:
+            out += [["ip", "netns", "add", name], ["ip", "-n", name, "link", "set", "lo", "up"]]
+        if switch is None:
+            out.append(
+                ["ip", "-n", hosts[0], "link", "add", _INTERFACE, "type", "veth",
+                 "peer", "name", _INTERFACE, "netns", hosts[1]]
             )  # fmt: skip
         else:
-            switch = f"{self._tag}-switch"
-            self._add_namespace(switch)
-            _run("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
-            _run("ip", "-n", switch, "link", "set", "br0", "up")
-            for r, name in enumerate(ranks):
-                port = f"port{r}"
-                _run(
-                    "ip", "-n", name, "link", "add", _INTERFACE, "type", "veth",
-                    "peer", "name", port, "netns", switch,
-                )  # fmt: skip
-                _run("ip", "-n", switch, "link", "set", port, "master", "br0")
-                _run("ip", "-n", switch, "link", "set", port, "up")
-                self._shape(switch, port)
-        for r, name in enumerate(ranks):
-            _run("ip", "-n", name, "addr", "add", f"{self.address(r)}/24", "dev", _INTERFACE)
-            _run("ip", "-n", name, "link", "set", _INTERFACE, "up")
-            self._shape(name, _INTERFACE)
+            out.append(["ip", "-n", switch, "link", "add", "br0", "type", "bridge"])
+            out.append(["ip", "-n", switch, "link", "set", "br0", "up"])
+            for h, name in enumerate(hosts):
+                port = f"port{h}"
+                out += [
+                    ["ip", "-n", name, "link", "add", _INTERFACE, "type", "veth",
+                     "peer", "name", port, "netns", switch],
+                    ["ip", "-n", switch, "link", "set", port, "master", "br0"],
+                    ["ip", "-n", switch, "link", "set", port, "up"],
+                    self._shape(switch, port),
+                ]  # fmt: skip
+        for h, name in enumerate(hosts):
+            address = f"{self.address(h * self.ranks_per_host)}/24"
+            out += [
+                ["ip", "-n", name, "addr", "add", address, "dev", _INTERFACE],
+                ["ip", "-n", name, "link", "set", _INTERFACE, "up"],
+                self._shape(name, _INTERFACE),
+            ]
+        return out
+
+    def _build(self) -> None:
+        for argv in self.plan():
+            _run(*argv)
+            if argv[:3] == ["ip", "netns", "add"]:
+                self._made.append(argv[3])  # made: removed on the way out, whatever happens
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # SIGTERM ends the run like Ctrl-C does, through the cleanup below.

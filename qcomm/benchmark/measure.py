@@ -22,13 +22,20 @@ import torch
 
 from qcomm.benchmark.advice import advice_json
 from qcomm.benchmark.agreement import Outcome, agree_on_loads, agreed, agreed_here
-from qcomm.benchmark.candidates import Candidate, load_candidates, measure_codec
+from qcomm.benchmark.candidates import (
+    Candidate,
+    crossing_elements,
+    load_candidates,
+    measure_codec,
+    measure_host_codecs,
+)
 from qcomm.benchmark.figures import Unlimited, add_comparisons, add_pytorch_ratios, add_speedups
 from qcomm.benchmark.figures import rounds as point_rounds
 from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.meta import bench_meta, load
 from qcomm.benchmark.metrics import (
     GB,
+    ErrorStats,
     algorithm_bandwidth,
     break_even_bandwidth,
     bus_bandwidth,
@@ -47,6 +54,7 @@ from qcomm.benchmark.series import (
     bare_series,
     base_input,
     make_case,
+    pair_of,
     qcomm_collective,
     run_series,
     torchrec_all_to_all,
@@ -54,14 +62,22 @@ from qcomm.benchmark.series import (
 from qcomm.benchmark.session import EXIT_CODEC_FAILED, Session
 from qcomm.benchmark.timing import calls_for_budget, synchronize, time_calls
 from qcomm.ops import BenchOp, CommOp, DenseOp
-from qcomm.types import QuantizedCommCodecs, codec_info
+from qcomm.types import HostCodecs, codec_info
 
 __all__ = ["run_rank"]
 
 
+def _summable(codec: Any) -> bool | None:
+    # Whether the backend may sum its wire: the reduce-scatter's advice needs
+    # it. Of codecs by host, what build_registry checks: the forward codec
+    # TorchRec's own reduce-scatter would apply, the other hosts'.
+    if codec is None:
+        return None
+    return codec_info(codec.forward if isinstance(codec, HostCodecs) else codec).summable
+
+
 def _codec_row(candidate: Candidate, outcome: Outcome, n: int, copy_s: float | None) -> CodecRow:
-    # Whether the backend may sum its wire: the reduce-scatter's advice needs it.
-    summable = codec_info(candidate.codec).summable if candidate.codec is not None else None
+    summable = _summable(candidate.codec)
     row = CodecRow(codec=candidate.label, source=candidate.source, summable=summable, status="ok")
     figures, problem = outcome
     if figures is None:
@@ -70,22 +86,25 @@ def _codec_row(candidate: Candidate, outcome: Outcome, n: int, copy_s: float | N
     first = figures[0]
     encode_s = max(f["encode_s"] for f in figures)  # the slowest rank sets the pace
     decode_s = max(f["decode_s"] for f in figures)
-    logical = 4 * n
+    # The wire's figures are of what crosses hosts: all of it for one codec.
+    crossing = first.get("crossing_elements", n)
+    logical = 4 * crossing
     wire = first["wire_bytes"]
+    backward = first.get("backward_wire_bytes")
     return dataclasses.replace(
         row,
         elements=n,
         wire_dtype=first["wire_dtype"],
         wire_elements=first["wire_elements"],
         calc_quantized_size=first["calc_quantized_size"],
-        wire_bytes_per_element=wire / n,
-        bits_per_element=8 * wire / n,
+        wire_bytes_per_element=wire / crossing,
+        bits_per_element=8 * wire / crossing,
         declared_bits_per_element=first["declared_bits_per_element"],
         compression_ratio=logical / wire,
         encode_s=encode_s,
         decode_s=decode_s,
-        encode_GBps=logical / encode_s / GB,
-        decode_GBps=logical / decode_s / GB,
+        encode_GBps=4 * n / encode_s / GB,
+        decode_GBps=4 * n / decode_s / GB,
         # The copy moves the same float32 bytes, so the time ratio is the
         # throughput ratio.
         encode_roofline_fraction=copy_s / encode_s if copy_s else None,
@@ -101,6 +120,8 @@ def _codec_row(candidate: Candidate, outcome: Outcome, n: int, copy_s: float | N
             for key in ("encode_samples_s", "decode_samples_s")
         ),
         break_even_GBps=break_even_bandwidth(wire, logical, encode_s, decode_s) / GB,
+        crossing_share=crossing / n if candidate.by_host else None,
+        backward_compression_ratio=logical / backward if backward else None,
     )
 
 
@@ -139,8 +160,7 @@ def _series(
 ) -> Series:
     if candidate.codec is None:
         return Series(impl, candidate.label, None, None, f"codec failed to load: {candidate.error}")
-    pair = QuantizedCommCodecs(forward=candidate.codec, backward=candidate.codec)
-    return Series(impl, candidate.label, pair, fn, problem, chunk_bytes)
+    return Series(impl, candidate.label, pair_of(candidate), fn, problem, chunk_bytes)
 
 
 def _check_shape(out: torch.Tensor, case: Case) -> torch.Tensor:
@@ -170,14 +190,14 @@ def _warm_up(session: Session, entry: _Entry, budget: float, max_calls: int) -> 
     series, case = entry.series, entry.case
     device = session.device
 
-    def once() -> tuple[float, float | None]:
+    def once() -> tuple[float, ErrorStats | None]:
         start = time.perf_counter()
         out = run_series(series, case, session.work, entry.backward)
         synchronize(device)
         seconds = time.perf_counter() - start
         if series.impl == "bare":
             return seconds, None
-        return seconds, error_stats(case.expected, _check_shape(out, case)).max_rel
+        return seconds, error_stats(case.expected, _check_shape(out, case))
 
     warm, problem = agreed(session, once)
     if warm is None:
@@ -187,7 +207,9 @@ def _warm_up(session: Session, entry: _Entry, budget: float, max_calls: int) -> 
         return
     entry.calls = calls_for_budget(max(w[0] for w in warm), budget, 1, max_calls)
     errors = [w[1] for w in warm if w[1] is not None]
-    entry.row.max_rel_error = max(errors) if errors else None
+    if errors:
+        entry.row.max_rel_error = max(e.max_rel for e in errors)
+        entry.row.rms_rel_error = max(e.rms_rel for e in errors)
 
 
 def _time_block(session: Session, entry: _Entry) -> None:
@@ -260,6 +282,16 @@ def _measure_codecs(
         codec = candidate.codec
         if codec is None:
             outcome: Outcome = (None, f"failed to load: {candidate.error}")
+        elif isinstance(codec, HostCodecs):
+            # A spec's own ranks_per_host decides its hosts, as in the collectives.
+            per_host = codec.ranks_per_host or config.ranks_per_host or 1
+            crossing = crossing_elements(n, session.world_size, per_host)
+            outcome = agreed(
+                session,
+                lambda codec=codec, crossing=crossing: measure_host_codecs(  # type: ignore[misc]
+                    codec, x, crossing=crossing, budget=config.budget, max_calls=config.max_calls
+                ),
+            )
         else:
             outcome = agreed(
                 session,
@@ -350,8 +382,9 @@ def _unlimited(
 
 
 def _measure_link(config: BenchConfig, session: Session) -> dict[str, Any]:
-    # What the link carries between ranks 0 and 1, one way and both ways at
-    # once, with the backend's plain point-to-point calls on float32.
+    # What the link carries between rank 0 and the first rank of the next
+    # host, one way and both ways at once, with the backend's plain
+    # point-to-point calls on float32.
     rate = parse_rate(config.link) if config.link else None
     seconds = 0.25
     size = 64 << 20 if rate is None else int(min(64 << 20, max(1 << 20, rate / 8 * seconds)))
@@ -361,11 +394,13 @@ def _measure_link(config: BenchConfig, session: Session) -> dict[str, Any]:
     rank = session.rank
     dist = torch.distributed
 
+    other = config.ranks_per_host or 1
+
     def transfer(both: bool) -> None:
         works = []
-        if rank in (0, 1):
-            peer = 1 - rank
-            if both or rank == 1:
+        if rank in (0, other):
+            peer = other - rank
+            if both or rank == other:
                 works.append(dist.irecv(y, group=group, group_src=peer))
             if both or rank == 0:
                 works.append(dist.isend(x, group=group, group_dst=peer))
@@ -448,7 +483,9 @@ def run_rank(config: BenchConfig, session: Session) -> int:
         session.gather(None)  # everyone is done
     finally:
         progress.close()
-    add_comparisons(points, codec_rows, link, session.world_size, unlimited)
+    add_comparisons(
+        points, codec_rows, link, session.world_size, unlimited, config.ranks_per_host or 1
+    )
     add_pytorch_ratios(points)
     if session.rank != 0:
         return 0

@@ -116,6 +116,7 @@ def bench_meta(
         "rounds": config.rounds,
         "timeout_s": config.timeout,
         "link": config.link,
+        "ranks_per_host": config.ranks_per_host,
         "backward": config.backward,
         "chunk_bytes": config.chunk_bytes,
         "link_gbps": config.link_gbps,

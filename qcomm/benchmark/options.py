@@ -14,7 +14,7 @@ from typing import Any
 
 from qcomm.errors import CodecError
 from qcomm.ops import BenchOp, CommOp, DenseOp
-from qcomm.specs import parse_codec_spec, split_codec_specs
+from qcomm.specs import parse_codec_spec, parse_host_spec, split_codec_specs
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -29,7 +29,9 @@ __all__ = [
     "TRAIN_ROWS",
     "TRAIN_WARM_UP_STEPS",
     "BenchConfig",
+    "check_spec",
     "format_size",
+    "host_parts",
     "parse_number",
     "parse_ops",
     "parse_size",
@@ -188,12 +190,75 @@ def format_size(size: int) -> str:
     return str(size)
 
 
+def host_parts(spec: str) -> dict[str, str] | None:
+    r"""
+    host_parts(spec: str) -> dict[str, str] | None
+
+    The forward codec's spec of each class of peer of a codecs-by-host spec,
+    ``same_host`` and ``other_host`` (``noop`` where one is not given), and
+    its ``ranks_per_host`` if given; ``None`` for any other spec. The bench
+    measures a candidate's forward codecs (as it does one codec), so the
+    advice reads these.
+
+    Args:
+        spec (str): a codec spec, or codecs by host (see :doc:`/topology`).
+
+    Raises:
+        CodecError: if ``spec`` is a malformed codecs-by-host spec.
+
+    Examples::
+
+        >>> host_parts("other_host=int8/bf16")
+        {'same_host': 'noop', 'other_host': 'int8'}
+        >>> host_parts("int8") is None
+        True
+    """
+    parts = parse_host_spec(spec)
+    if parts is None:
+        return None
+    out = {
+        key: str(parts.get(key, "noop")).partition("/")[0].strip()
+        for key in ("same_host", "other_host")
+    }
+    if "ranks_per_host" in parts:
+        out["ranks_per_host"] = str(parts["ranks_per_host"])
+    return out
+
+
+def check_spec(spec: str) -> None:
+    r"""
+    check_spec(spec: str) -> None
+
+    Raises :class:`~qcomm.CodecError` naming a malformed spec: a codec's, or
+    every codec's of codecs by host. Loads nothing.
+
+    Args:
+        spec (str): a codec spec, or codecs by host (``same_host=noop+other_host=int8``).
+
+    Examples::
+
+        >>> check_spec("same_host=noop+other_host=int8:row_dim=64/bf16")
+        >>> check_spec("same_host=noop+other=int8")
+        Traceback (most recent call last):
+        ...
+        qcomm.errors.CodecError: 'other=int8' in 'same_host=noop+other=int8': expected same_host=<pair>, other_host=<pair> or ranks_per_host=<n>, joined by '+'
+    """
+    parts = parse_host_spec(spec)
+    if parts is None:
+        parse_codec_spec(spec)
+        return
+    for key in ("same_host", "other_host"):
+        for side in str(parts.get(key, "noop")).split("/"):
+            parse_codec_spec(side)
+
+
 def split_codec_list(text: str) -> list[str]:
     r"""
     split_codec_list(text: str) -> list[str]
 
     The codec specs of ``--codecs``, split as those of ``QCOMM_CODECS``;
     :class:`~qcomm.CodecError` naming ``--codecs`` if a spec is malformed.
+    Codecs by host (``same_host=noop+other_host=int8``) are one item each.
 
     Args:
         text (str): specs; ``;`` always separates, ``key=value`` continues a spec.
@@ -202,11 +267,13 @@ def split_codec_list(text: str) -> list[str]:
 
         >>> split_codec_list("int8:row_dim=64,stochastic=true,fp16;mx4")
         ['int8:row_dim=64,stochastic=true', 'fp16', 'mx4']
+        >>> split_codec_list("noop,int8,same_host=noop+other_host=int8")
+        ['noop', 'int8', 'same_host=noop+other_host=int8']
     """
     try:
         specs = split_codec_specs(text)
         for spec in specs:
-            parse_codec_spec(spec)  # raises on a malformed spec, naming it
+            check_spec(spec)
     except CodecError as err:
         raise CodecError(f"--codecs: {err}") from None
     return specs
@@ -261,6 +328,9 @@ class BenchConfig:
         sizes (list[int]): message sizes: each rank's float32 buffer, bytes.
         ops (list[str]): :class:`~qcomm.CommOp` values, and ``"all_reduce"``.
         world_size (int): ranks to spawn locally (ignored under a launcher).
+        ranks_per_host (int | None): ranks that share a host
+            (``--ranks-per-host``), ``None`` where not given (locally spawned
+            ranks then count as a host each).
         quick (bool): the smoke-test settings.
         json_path (str | None): where to write every figure.
         plot_path (str | None): where to draw the PNG.
@@ -301,6 +371,7 @@ class BenchConfig:
     sizes: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_SIZES))
     ops: list[str] = dataclasses.field(default_factory=lambda: [op.value for op in CommOp])
     world_size: int = 2
+    ranks_per_host: int | None = None
     quick: bool = False
     json_path: str | None = None
     plot_path: str | None = None

@@ -388,6 +388,34 @@ def _link_line(link: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _ranks(meta: dict[str, Any]) -> str:
+    per_host = meta.get("ranks_per_host")
+    if not per_host:
+        return f"{meta['world_size']} ranks"
+    return f"{meta['world_size']} ranks as {meta['world_size'] // per_host} hosts of {per_host}"
+
+
+def _by_host_note(results: dict[str, Any]) -> list[str]:
+    # What a row of codecs by host is of: said once, under the tables.
+    shares = [r.crossing_share for r in codec_rows(results) if r.crossing_share is not None]
+    if not shares:
+        return []
+    per_host = results["meta"].get("ranks_per_host") or 1
+    hierarchical = (
+        f" (their all-reduce is hierarchical: {per_host} times fewer bytes between hosts, "
+        f"besides the codec's)"
+        if per_host > 1
+        else ""
+    )
+    return [
+        f"Codecs by host (same_host=...+other_host=..., {per_host} rank(s) per host): a rank "
+        f"sends {100 * shares[0]:.0f}% of its elements to other hosts, through the other_host "
+        f"codec, the rest through the same_host one; their codec row's times and errors are of "
+        f"all of them, its wire figures (bits/el, ratio) of what crosses hosts; a collective's "
+        f"ratio is noop's bytes between hosts over theirs{hierarchical}."
+    ]
+
+
 def format_report(results: dict[str, Any]) -> str:
     r"""
     format_report(results: dict[str, Any]) -> str
@@ -401,7 +429,7 @@ def format_report(results: dict[str, Any]) -> str:
     meta = results["meta"]
     roof = results["roofline"]
     lines = [
-        f"qcomm bench: {meta['world_size']} ranks, {meta['backend']} on {meta['device']}, "
+        f"qcomm bench: {_ranks(meta)}, {meta['backend']} on {meta['device']}, "
         f"{meta['threads_per_rank']} thread(s) per rank, {meta['duration_s']:.0f} s",
         *_link_line(results.get("link")),
         "",
@@ -434,6 +462,7 @@ def format_report(results: dict[str, Any]) -> str:
         "'pays below' the link rate under which the codec beats noop by the model; "
         "'vs TorchRec' is TorchRec's time with fbgemm's codec of the format over qcomm's.",
         "noop's encode and decode return their input: their throughput is the cost of a call.",
+        *_by_host_note(results),
     ]
     if load[0] and load[1]:
         lines.append(

@@ -76,7 +76,12 @@ _CODEC = (
 _STATUS = "'ok', or 'failed' (error says why); --train: also 'skipped'"
 _ERROR = "why the row failed, null when it did not"
 _MAX_REL = "max |decoded - x| / max |x| (collectives: against the exact output)"
-_RATIO = "4 / wire_bytes_per_element (collectives: the codec row's; 1 for no codec and bare calls)"
+_RATIO = (
+    "4 / wire_bytes_per_element (codecs by host: of the elements that cross hosts); "
+    "collectives: what the series' bytes between hosts are to noop's, the codec row's but for "
+    "codecs by host (of both passes' codecs, and times the ranks per host on the all-reduce, "
+    "which they make hierarchical); 1 for no codec and bare calls"
+)
 _SPREAD = (
     "interquartile range over median of the repetitions (codecs: the larger of encode's and "
     "decode's; collectives and --train: of the rounds)"
@@ -127,7 +132,11 @@ class CodecRow:
         "decode's throughput / memory-copy throughput of the same float32 tensor", measured=True
     )
     max_rel_error: float | None = column(_MAX_REL, measured=True)
-    rms_rel_error: float | None = column("sqrt(sum (decoded - x)^2 / sum x^2)", measured=True)
+    rms_rel_error: float | None = column(
+        "sqrt(sum (decoded - x)^2 / sum x^2) (collectives: the output against the exact one, "
+        "the worst rank's)",
+        measured=True,
+    )
     sqnr_db: float | None = column(
         "10 log10(sum x^2 / sum (decoded - x)^2); null when exact (infinite)", measured=True
     )
@@ -140,7 +149,18 @@ class CodecRow:
     spread: float | None = column(_SPREAD, measured=True)
     break_even_GBps: float | None = column(
         "codec alone, no overlap: (1 - wire/logical) / ((encode_s + decode_s) / logical bytes), "
-        "1e9 bytes/s",
+        "1e9 bytes/s (codecs by host: wire and logical bytes of what crosses hosts)",
+        measured=True,
+    )
+    crossing_share: float | None = column(
+        "codecs by host: the share of a rank's elements sent to other hosts, (n - K) / n with "
+        "K ranks per host, which go through the other_host codec (the rest through the "
+        "same_host codec); null for one codec",
+        measured=True,
+    )
+    backward_compression_ratio: float | None = column(
+        "codecs by host: 4 / wire bytes per element of the other_host backward codec; null for "
+        "one codec (its compression_ratio both ways)",
         measured=True,
     )
 
@@ -171,6 +191,11 @@ class Point:
     status: str = column(_STATUS, required=True)
     error: str | None = column(_ERROR)
     max_rel_error: float | None = column(_MAX_REL, measured=True)
+    rms_rel_error: float | None = column(
+        "sqrt(sum (decoded - x)^2 / sum x^2) (collectives: the output against the exact one, "
+        "the worst rank's)",
+        measured=True,
+    )
     calls: int | None = column("calls timed, over every round", measured=True)
     latency_s: float | None = column(
         "median over blocks of the slowest rank's seconds per call", measured=True
@@ -192,13 +217,14 @@ class Point:
     )
     compression_ratio: float | None = column(_RATIO)
     link_bound_s: float | None = column(
-        "float32 bytes crossing a rank's port, size_bytes * (n - 1) / n (twice for fwd+bwd), "
-        "over the emulated link's rate, divided by the codec's compression ratio"
+        "float32 bytes crossing a host's port (K ranks per host; K = 1: a rank's), "
+        "K * size_bytes * (n - K) / n (twice for fwd+bwd and for the all-reduce), over the "
+        "emulated link's rate, divided by the series' compression ratio"
     )
     x_link_bound: float | None = column("latency_s / link_bound_s (1.0: the wire's limit)")
     link_bytes: float | None = column(
-        "wire bytes through a rank's port per call, over the link's measured efficiency "
-        "(TCP_EFFICIENCY without a measured link)"
+        "wire bytes through a host's port per call (a rank's with one rank per host), over "
+        "the link's measured efficiency (TCP_EFFICIENCY without a measured link)"
     )
     unlimited_s: float | None = column(
         "seconds per call with no link limit: loopback, or the emulated link with its rate "

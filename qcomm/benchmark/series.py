@@ -20,7 +20,7 @@ import torch
 
 from qcomm.benchmark.candidates import Candidate
 from qcomm.ops import BenchOp, CommOp, DenseOp
-from qcomm.types import QuantizedCommCodecs
+from qcomm.types import HostCodecs, QuantizedCommCodecs
 
 __all__ = [
     "BARE",
@@ -31,6 +31,7 @@ __all__ = [
     "bare_series",
     "base_input",
     "make_case",
+    "pair_of",
     "qcomm_collective",
     "run_series",
     "torchrec_all_to_all",
@@ -302,13 +303,30 @@ def _pytorch_hook(name: str) -> Callable[[Case, Any], torch.Tensor]:
     return call
 
 
+def pair_of(candidate: Candidate) -> QuantizedCommCodecs:
+    r"""
+    pair_of(candidate: Candidate) -> QuantizedCommCodecs
+
+    The codecs a loaded candidate runs with: its codec both ways, or its
+    :class:`~qcomm.HostCodecs` as they are.
+
+    Args:
+        candidate (Candidate): a candidate whose codec was built.
+    """
+    if isinstance(candidate.codec, HostCodecs):
+        return candidate.codec
+    return QuantizedCommCodecs(forward=candidate.codec, backward=candidate.codec)
+
+
 def _qcomm_hook(codecs: QuantizedCommCodecs, chunk_bytes: int | None) -> Callable[..., Any]:
     from qcomm.ddp import DDPCommHookState, all_reduce_hook
 
     def call(case: Case, group: Any) -> torch.Tensor:
-        state = DDPCommHookState(
-            codecs.forward, gather=codecs.backward, process_group=group, chunk_bytes=chunk_bytes
+        # Codecs by host make the hook's all-reduce hierarchical (by_host=).
+        spec, gather = (
+            (codecs, None) if isinstance(codecs, HostCodecs) else (codecs.forward, codecs.backward)
         )
+        state = DDPCommHookState(spec, gather=gather, process_group=group, chunk_bytes=chunk_bytes)
         all_reduce_hook(state, _Bucket(case.input.view(-1))).wait()  # type: ignore[arg-type]
         return case.input
 
@@ -334,7 +352,7 @@ def all_reduce_series(candidates: list[Candidate], chunk_bytes: int | None) -> l
             error = f"codec failed to load: {c.error}"
             lines.append(Series("qcomm", c.label, None, None, error, has_backward=False))
             continue
-        pair = QuantizedCommCodecs(forward=c.codec, backward=c.codec)
+        pair = pair_of(c)
         call = _qcomm_hook(pair, chunk_bytes)
         lines.append(Series("qcomm", c.label, pair, call, None, chunk_bytes, has_backward=False))
     for name in PYTORCH_HOOKS:

@@ -23,6 +23,7 @@ __all__ = [
     "EXIT_ERROR",
     "HEARTBEAT_ENV",
     "LINK_CONTROL_ENV",
+    "RANKS_PER_HOST_ENV",
     "Session",
     "launcher_env",
 ]
@@ -39,6 +40,10 @@ HEARTBEAT_ENV = "QCOMM_BENCH_HEARTBEAT"
 #: the file rank 0 writes to ask the local launcher to lift or restore the
 #: emulated link's rate limit; the launcher removes it once done
 LINK_CONTROL_ENV = "QCOMM_BENCH_LINK_CONTROL"
+
+#: how many ranks share a host (ranks numbered host by host), which qcomm's
+#: collectives read on every call with codecs by host (:class:`~qcomm.HostCodecs`)
+RANKS_PER_HOST_ENV = "QCOMM_RANKS_PER_HOST"
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 
