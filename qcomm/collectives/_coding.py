@@ -56,7 +56,6 @@ class Coding:
         self.wire_dtype = wire_dtype(codec)
         self.decode_into = getattr(codec, "decode_into", None)
         self.print, self.name = _status_print(codec, self.identity)
-        self._padded: dict[tuple[int, ...], list[int]] = {}
 
     def alignment(self, chunked: bool) -> int | None:
         """The chunk alignment in elements, or ``None`` for one chunk per region."""
@@ -73,12 +72,7 @@ class Coding:
         probe: torch.Tensor | None = None,
     ) -> list[int]:
         """The codec's padded width of every entry of ``lengths`` (see :func:`padded_lengths`)."""
-        key = (index, *lengths)
-        if key not in self._padded:
-            self._padded[key] = padded_lengths(
-                self.codec, self.ctx, lengths, index, device, probe=probe
-            )
-        return self._padded[key]
+        return padded_lengths(self.codec, self.ctx, lengths, index, device, probe=probe)
 
 
 class PeerCodings:
@@ -95,6 +89,21 @@ class PeerCodings:
 
     def __getitem__(self, rank: int) -> Coding:
         return self.by_rank[rank]
+
+    def padded(
+        self,
+        lengths: list[int],
+        index: int,
+        device: torch.device,
+        probe: torch.Tensor | None = None,
+    ) -> list[list[int]]:
+        """
+        :meth:`Coding.padded` of every rank's coding, by rank: ``[p][i]`` is
+        entry ``i`` padded for the data between this rank and ``p``. Asked once
+        per codec, not per rank.
+        """
+        of = {id(c): c.padded(lengths, index, device, probe) for c in self.distinct}
+        return [of[id(c)] for c in self.by_rank]
 
     def groups(self, peers: list[int]) -> list[list[int]]:
         """``peers`` split by coding, each group in the given order."""

@@ -56,17 +56,14 @@ def sum_blocks(
     world, rank = len(lengths), call.rank
     shape = (splits[rank], *rest)
     codings = PeerCodings(codecs, dtype)
-
-    def padded(peer: int, block: int) -> int:
-        return codings[peer].padded(lengths, rank, x.device)[block]
-
+    padded = codings.padded(lengths, rank, x.device)
     flat = x.reshape(-1)
     o = offsets(lengths)
     # The sum runs in float32 at least, in this rank's buffer, seeded with
     # its own block; the peers' blocks are added in a fixed order.
     acc = lease(shape, torch.promote_types(torch.float32, dtype), x.device)
-    sends = [([r], Flat(flat[o[r] : o[r + 1]], padded(r, r))) for r in send_order(rank, world)]
-    recvs = [(s, Flat(acc.view(-1), padded(s, rank))) for s in recv_order(rank, world)]
+    sends = [([r], Flat(flat[o[r] : o[r + 1]], padded[r][r])) for r in send_order(rank, world)]
+    recvs = [(s, Flat(acc.view(-1), padded[s][rank])) for s in recv_order(rank, world)]
 
     def seed(part: int, parts: int) -> None:
         # The own block seeds the sum before the first peer's is added.
@@ -111,19 +108,16 @@ def gather_blocks(
     world, rank = len(lengths), call.rank
     shape = (sum(splits), *rest)
     codings = PeerCodings(codecs, mine.dtype)
-
-    def padded(peer: int, block: int) -> int:
-        return codings[peer].padded(lengths, rank, mine.device)[block]
-
+    padded = codings.padded(lengths, rank, mine.device)
     flat_mine = mine.reshape(-1)
     out = lease(shape, mine.dtype, mine.device)
     flat = out.view(-1)
     o = offsets(lengths)
     sends = [
-        (peers, Flat(flat_mine, padded(peers[0], rank)))
+        (peers, Flat(flat_mine, padded[peers[0]][rank]))
         for peers in codings.groups(send_order(rank, world))
     ]
-    recvs = [(s, Flat(flat[o[s] : o[s + 1]], padded(s, s))) for s in recv_order(rank, world)]
+    recvs = [(s, Flat(flat[o[s] : o[s + 1]], padded[s][s])) for s in recv_order(rank, world)]
     finish = start_exchange(
         sends,
         recvs,
@@ -153,17 +147,14 @@ def pooled_forward(
     """
     rank = call.rank
     codings = PeerCodings(codecs, x.dtype)
-
-    def padded(peer: int, column: int) -> int:
-        return codings[peer].padded(dims, rank, x.device, probe=x)[column]
-
+    padded = codings.padded(dims, rank, x.device, probe=x)
     rows, cols = offsets(batches), offsets(dims)
     out = lease((batches[rank], cols[-1]), x.dtype, x.device)
     band = [out[:, cols[s] : cols[s + 1]] for s in range(len(dims))]
     sends = [
-        ([r], Rows(x[rows[r] : rows[r + 1]], padded(r, rank))) for r in send_order(rank, len(dims))
+        ([r], Rows(x[rows[r] : rows[r + 1]], padded[r][rank])) for r in send_order(rank, len(dims))
     ]
-    recvs = [(s, Rows(band[s], padded(s, s))) for s in recv_order(rank, len(dims))]
+    recvs = [(s, Rows(band[s], padded[s][s])) for s in recv_order(rank, len(dims))]
     finish = start_exchange(
         sends,
         recvs,
@@ -197,14 +188,11 @@ def pooled_backward(
     codings = PeerCodings(codecs, dtype)
     rows, cols = offsets(batches), offsets(dims)
     band = [g[:, cols[r] : cols[r + 1]] for r in range(len(dims))]
-
-    def padded(peer: int, column: int) -> int:
-        return codings[peer].padded(dims, rank, g.device, probe=band[rank])[column]
-
+    padded = codings.padded(dims, rank, g.device, probe=band[rank])
     grad_input = lease((rows[-1], dims[rank]), dtype, g.device)
     block = [grad_input[rows[s] : rows[s + 1]] for s in range(len(batches))]
-    sends = [([r], Rows(band[r], padded(r, r))) for r in send_order(rank, len(batches))]
-    recvs = [(s, Rows(block[s], padded(s, rank))) for s in recv_order(rank, len(batches))]
+    sends = [([r], Rows(band[r], padded[r][r])) for r in send_order(rank, len(batches))]
+    recvs = [(s, Rows(block[s], padded[s][rank])) for s in recv_order(rank, len(batches))]
     start_exchange(
         sends,
         recvs,
@@ -241,18 +229,14 @@ def sequence_exchange(
     send_lengths = [n * width for n in send_rows]
     recv_lengths = [n * width for n in recv_rows]
     codings = PeerCodings(codecs, dtype)
-
-    def padded(peer: int, segment: int) -> int:
-        lengths = send_lengths + recv_lengths
-        return codings[peer].padded(lengths, rank, x.device)[segment]
-
+    padded = codings.padded(send_lengths + recv_lengths, rank, x.device)
     source = x.reshape(-1)
     out = lease((sum(recv_rows), *rest), dtype, x.device)
     flat = out.view(-1)
     so, ro = offsets(send_lengths), offsets(recv_lengths)
-    sends = [([r], Flat(source[so[r] : so[r + 1]], padded(r, r))) for r in send_order(rank, world)]
+    sends = [([r], Flat(source[so[r] : so[r + 1]], padded[r][r])) for r in send_order(rank, world)]
     recvs = [
-        (s, Flat(flat[ro[s] : ro[s + 1]], padded(s, world + s))) for s in recv_order(rank, world)
+        (s, Flat(flat[ro[s] : ro[s + 1]], padded[s][world + s])) for s in recv_order(rank, world)
     ]
     finish = start_exchange(
         sends,
