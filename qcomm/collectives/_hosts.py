@@ -107,12 +107,13 @@ def _exchange_names(group: dist.ProcessGroup, world: int, device: torch.device) 
     # first appearance.
     digest = hashlib.sha256(socket.gethostname().encode()).digest()
     mine = int.from_bytes(digest[:8], "little", signed=True)
-    if _backends.cuda_only(group) and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    row = torch.tensor([mine], dtype=torch.int64, device=device)
-    out = row.new_empty(world)
-    dist.all_to_all_single(out, row.repeat(world), group=group)
-    names = out.tolist()
+    where = _backends.small_exchange_device(group, device)
+    if where is None:
+        raise ValueError(
+            "by host: NCCL needs a GPU to exchange host names; set QCOMM_RANKS_PER_HOST"
+        )
+    row = torch.tensor([mine], dtype=torch.int64, device=where)
+    names = _backends.gather_rows(group, world, row).view(-1).tolist()
     first = {h: i for i, h in reversed(list(enumerate(names)))}
     order = {h: n for n, h in enumerate(sorted(first, key=first.__getitem__))}
     return tuple(order[h] for h in names)
