@@ -267,3 +267,20 @@ def test_two_hosts_of_two_ranks_on_loopback(
     )
     assert points[ar, POLICY]["link_bytes"] == pytest.approx(points[ar, "int8"]["link_bytes"] / 2)
     assert results["advice"]["rates"]
+
+
+def test_a_training_step_with_the_hook_by_host(
+    no_launcher: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    # Hosts of several ranks add a series: the DDP hook by host, which trains
+    # as the default hook does.
+    out = tmp_path / "train.json"
+    argv = ["bench", "--train", "--train-model", "mlp", "--world-size", "4"]
+    argv += ["--ranks-per-host", "2", "--quick", "--json", str(out)]
+    assert cli_main(argv) == 0
+    rows = {r["label"]: r for r in json.loads(out.read_text())["train"]["series"]}
+    by_host = rows["qcomm int8 between hosts + error feedback"]
+    assert by_host["status"] == "ok", by_host["error"]
+    assert by_host["ddp_hook"] == f"qcomm {POLICY}+ef"
+    assert by_host["step_s"] > 0
+    assert by_host["losses"][-1] == pytest.approx(rows["default hook"]["losses"][-1], rel=1e-4)

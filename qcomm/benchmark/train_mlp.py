@@ -38,6 +38,7 @@ __all__ = [
     "FP16_HOOK",
     "OUTPUTS",
     "QCOMM_HOOK",
+    "QCOMM_BY_HOST",
     "QCOMM_SYNC",
     "mlp_parameters",
     "mlp_series",
@@ -52,6 +53,8 @@ FP16_HOOK = "fp16_compress_hook"
 QCOMM_HOOK = "qcomm int8 + error feedback"
 #: the label of the series with qcomm's int8 hook, each bucket waited for
 QCOMM_SYNC = "qcomm int8 + error feedback, synchronous"
+#: the label of the series with qcomm's hook by host (``--ranks-per-host``)
+QCOMM_BY_HOST = "qcomm int8 between hosts + error feedback"
 
 #: the MLP's outputs, the regression target's width
 OUTPUTS = 16
@@ -61,25 +64,35 @@ LEARNING_RATE = 0.001
 _TEACHER_SEED = 7919  # added to --seed: the target's weights, apart from the model's
 
 
-def mlp_series() -> list[TrainSeries]:
+def mlp_series(ranks_per_host: int | None = None) -> list[TrainSeries]:
     r"""
-    mlp_series() -> list[TrainSeries]
+    mlp_series(ranks_per_host: int | None = None) -> list[TrainSeries]
 
     The series of ``--train-model mlp``, in the report's order (each round
-    runs them in an order of its own, drawn from the seed).
+    runs them in an order of its own, drawn from the seed); with hosts of
+    several ranks (``--ranks-per-host``), also qcomm's hook by host: no codec
+    inside a host, int8 between hosts (a hierarchical all-reduce).
+
+    Args:
+        ranks_per_host (int, optional): ``--ranks-per-host``. Default: ``None``.
 
     Examples::
 
         >>> [s.label for s in mlp_series()]
         ['one rank, no collective', 'default hook', 'fp16_compress_hook', 'qcomm int8 + error feedback', 'qcomm int8 + error feedback, synchronous']
+        >>> mlp_series(2)[-1].dense
+        'same_host=noop+other_host=int8'
     """
-    return [
+    series = [
         TrainSeries(LOCAL, "local"),
         TrainSeries(DEFAULT_HOOK, "fp32"),
         TrainSeries(FP16_HOOK, "pytorch"),
         TrainSeries(QCOMM_HOOK, "qcomm", dense="int8"),
         TrainSeries(QCOMM_SYNC, "qcomm", dense="int8", overlap=False),
     ]
+    if ranks_per_host is not None and ranks_per_host > 1:
+        series.append(TrainSeries(QCOMM_BY_HOST, "qcomm", dense="same_host=noop+other_host=int8"))
+    return series
 
 
 def mlp_parameters(layers: int, width: int) -> int:
@@ -218,7 +231,7 @@ def run_train_mlp(config: BenchConfig, session: Session) -> int:
         when a qcomm series failed.
     """
     started, clock = time.time(), time.perf_counter()
-    runs = [_Run(s) for s in mlp_series()]
+    runs = [_Run(s) for s in mlp_series(config.ranks_per_host)]
     load_before = load()
     losses = _run_rounds(
         session,
