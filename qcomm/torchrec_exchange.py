@@ -12,8 +12,14 @@ with its agreement checks and statuses, instead of TorchRec's
 world size 1, TorchRec's synchronous or compiled mode) goes to TorchRec's
 function unchanged.
 
-:func:`~qcomm.build_registry` installs it, at once where TorchRec is already
-imported and otherwise as soon as it is. ``QCOMM_TORCHREC_COLLECTIVES=torchrec``
+Installing is explicit (:func:`install`) and also automatic: wherever a
+qcomm pair exists — built by :func:`~qcomm.build_registry` or
+:func:`~qcomm.load_pair`, made by hand, or unpickled, as in ranks started by
+``torch.multiprocessing.spawn`` with a registry built in the launcher — it
+installs at once where TorchRec is imported and otherwise as soon as it is
+(:func:`enable`). :func:`uninstall` puts TorchRec's functions back and holds
+in any order: until :func:`install` is called again, no pair and no later
+import of TorchRec installs anything. ``QCOMM_TORCHREC_COLLECTIVES=torchrec``
 keeps TorchRec's transport for qcomm codecs (only the codecs change);
 ``qcomm``, the default, takes qcomm's.
 """
@@ -76,9 +82,15 @@ _EXPECTED = {
 # Every replacement also reads these.
 _COMMON = ("group", "codecs")
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _originals: dict[str, Callable[..., Any]] = {}
 _awaitable_class: type | None = None
+# Set by uninstall(), cleared by install(): the automatic installs stay off.
+_held_off = False
+# Whether TorchRec can be imported here (looked up once: it walks sys.path).
+_findable: bool | None = None
+# Whether a refused install was already told (once per process).
+_told = False
 
 
 def enabled() -> bool:
@@ -114,17 +126,18 @@ def install() -> None:
 
     Replaces TorchRec's embedding collectives in ``comm_ops`` and
     ``dist_data`` (imported here) with qcomm's for calls with qcomm codecs;
-    again is a no-op.
+    again is a no-op. Also lifts an earlier :func:`uninstall`.
 
     Raises:
         ImportError: if TorchRec is not installed.
         RuntimeError: if TorchRec's functions are not the ones this version of
             qcomm knows (a TorchRec upgrade moved them); nothing is replaced.
     """
-    global _awaitable_class
+    global _awaitable_class, _held_off
     comm_ops = importlib.import_module(_COMM_OPS)
     dist_data = importlib.import_module(_DIST_DATA)
     with _lock:
+        _held_off = False
         if _originals:
             return
         problems = [p for name in _EXPECTED if (p := _mismatch(comm_ops, dist_data, name))]
@@ -148,9 +161,15 @@ def uninstall() -> None:
     r"""
     uninstall() -> None
 
-    Puts TorchRec's own functions back.
+    Puts TorchRec's own functions back, and keeps them: until
+    :func:`install` is called, neither a qcomm pair (built, made or unpickled)
+    nor a later import of TorchRec installs qcomm's exchange again. Safe to
+    call in any order, before TorchRec is imported included.
     """
+    global _held_off
     with _lock:
+        _held_off = True
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
         for name, original in _originals.items():
             for module_name in (_COMM_OPS, _DIST_DATA):
                 module = sys.modules.get(module_name)
@@ -452,39 +471,47 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         def exec_module(module: ModuleType) -> None:
             run_module(module)
             sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
-            _install_quietly()
+            if not _held_off:
+                _install_quietly()
 
         loader.exec_module = exec_module
         return spec
 
 
 def _install_quietly() -> None:
+    global _told
     try:
         install()
     except RuntimeError as err:
-        # Training goes on, on TorchRec's transport; the user is told why.
-        warnings.warn(str(err), RuntimeWarning, stacklevel=3)
+        # Training goes on, on TorchRec's transport; the user is told why, once.
+        if not _told:
+            _told = True
+            warnings.warn(str(err), RuntimeWarning, stacklevel=3)
 
 
 def enable() -> None:
     r"""
     enable() -> None
 
-    What :func:`~qcomm.build_registry` calls: :func:`install` now if TorchRec's
-    ``dist_data`` is imported, else right after it is; nothing under
+    What every qcomm pair calls when it is made or unpickled: :func:`install`
+    now if TorchRec's ``dist_data`` is imported, else right after it is;
+    nothing after :func:`uninstall`, under
     ``QCOMM_TORCHREC_COLLECTIVES=torchrec`` or without TorchRec. Where
-    :func:`install` refuses, it warns and TorchRec's transport stays.
+    :func:`install` refuses, it warns once and TorchRec's transport stays.
 
     Raises:
         ValueError: if ``QCOMM_TORCHREC_COLLECTIVES`` is neither ``qcomm`` nor ``torchrec``.
     """
-    if installed() or not enabled():
+    global _findable
+    if not enabled() or installed() or _held_off:
         return
     if _DIST_DATA in sys.modules:
         _install_quietly()
         return
-    if importlib.machinery.PathFinder.find_spec("torchrec") is None:
+    if _findable is None:
+        _findable = importlib.machinery.PathFinder.find_spec("torchrec") is not None
+    if not _findable:
         return
     with _lock:
-        if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        if not _held_off and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
             sys.meta_path.insert(0, _AfterImport())
