@@ -5,6 +5,7 @@ The codec-spec language of :func:`~qcomm.load_codec`, :func:`~qcomm.build_regist
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from qcomm.errors import CodecError
@@ -91,6 +92,9 @@ def split_codec_specs(text: str) -> list[str]:
     specs: list[str] = []
     for part in text.split(";"):
         current: list[str] = []
+        # The codec that an option after a comma would belong to: options
+        # follow a colon, so one without a colon takes none.
+        owner = ""
         for item in (p.strip() for p in part.split(",")):
             if not item:
                 continue
@@ -100,14 +104,54 @@ def split_codec_specs(text: str) -> list[str]:
                         f"option {item!r} in {text!r} comes before any codec name; "
                         f"expected e.g. 'int8:row_dim=64,fp16'"
                     )
+                if ":" not in owner or _looks_like_op(item):
+                    raise CodecError(_not_an_option(item, owner, text))
                 current.append(item)
+                if "/" in item:
+                    owner = item.rsplit("/", 1)[1]
                 continue
             if current:
                 specs.append(",".join(current))
             current = [item]
+            owner = _last_codec(item)
         if current:
             specs.append(",".join(current))
     return specs
+
+
+def _last_codec(item: str) -> str:
+    # The last codec spec of an item: "<op>=" and "<class>_host=" taken off,
+    # the last of a host spec's parts and of a pair's sides.
+    head, eq, rest = item.partition("=")
+    if eq and head.strip().upper() in CommOp.__members__:
+        item = rest
+    head, eq, rest = item.split("+")[-1].partition("=")
+    item = rest if eq and head.strip().lower() in HOST_KEYS else item.split("+")[-1]
+    return item.split("/")[-1].strip()
+
+
+def _looks_like_op(item: str) -> bool:
+    # A misspelt operation, not an option (no codec option is named like one).
+    key = item.partition("=")[0].strip().lower()
+    ops = [m.value for m in CommOp]
+    return bool(difflib.get_close_matches(key, ops, n=1, cutoff=0.75))
+
+
+def _not_an_option(item: str, owner: str, text: str) -> str:
+    key = item.partition("=")[0].strip()
+    ops = [m.value for m in CommOp]
+    close = difflib.get_close_matches(key.lower(), ops, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    if not owner:
+        why = "no codec comes before it"
+    elif ":" not in owner:
+        why = f"{owner!r} before it has no colon (options follow one: '{owner}:{item}')"
+    else:
+        why = "it is named like an operation"
+    return (
+        f"unknown CommOp {key!r} in {text!r}{hint}: expected one of {', '.join(ops)}; "
+        f"nor is it a codec option, since {why}"
+    )
 
 
 def _is_option(item: str) -> bool:
@@ -193,7 +237,7 @@ def parse_registry_string(text: str) -> dict[CommOp, str]:
     """
     first = text.split(",")[0].split(";")[0]
     if _is_option(first):
-        CommOp.parse(first.partition("=")[0])  # raises, naming the unknown op
+        raise CodecError(_not_an_option(first, "", text))
     pairs: dict[CommOp, str] = {}
     every: list[str] = []
     for item in split_codec_specs(text):
