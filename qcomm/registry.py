@@ -295,33 +295,45 @@ def _check_reduce_scatter(
     if forward_ok and backward_ok:
         return
     fix = _fix(given, forward_ok, backward_ok)
+    # Only TorchRec's own transport has the problem: qcomm's exchange (the
+    # route TorchRec takes with a qcomm registry) and reduce_scatter_pooled
+    # decode every part and sum in float32, and gather the gradient decoded.
+    routes = (
+        "On qcomm's exchange, the route TorchRec's reduce-scatter takes with a qcomm "
+        "registry by default, and in qcomm.reduce_scatter_pooled, any codec works: each "
+        "part is decoded and summed in float32"
+    )
     if given.form == "env":
         allow = (
-            f"or, if the registry only feeds qcomm.reduce_scatter_pooled, build it with "
+            f"{routes}; if this registry's reduce-scatter runs only there (never under "
+            f"{torchrec_exchange.ENV}=torchrec, TorchRec's synchronous or compiled mode, or "
+            f"after qcomm.torchrec_exchange.uninstall()), build it with "
             f"build_registry(allow_unsummable_reduce_scatter=True) (which still reads "
             f"{_CODECS_ENV})"
         )
     else:
         allow = (
-            "or pass allow_unsummable_reduce_scatter=True if the registry only feeds "
-            "qcomm.reduce_scatter_pooled"
+            f"{routes}; if this registry's reduce-scatter runs only there (never under "
+            f"{torchrec_exchange.ENV}=torchrec, TorchRec's synchronous or compiled mode, or "
+            f"after qcomm.torchrec_exchange.uninstall()), pass "
+            f"allow_unsummable_reduce_scatter=True"
         )
     if not forward_ok:
         name = codec_info(pair.forward).name
         raise CodecError(
             f"{given.where}: codec {name!r} cannot be the forward codec of "
-            f"POOLED_EMBEDDINGS_REDUCE_SCATTER: TorchRec's reduce-scatter sums the wire "
-            f"tensors, and {name!r} does not declare them summable (CodecInfo.summable), "
-            f"so the result would be silently wrong. Give that op a summable codec "
-            f"(noop, fp16, bf16), e.g. {fix}, {allow}"
+            f"POOLED_EMBEDDINGS_REDUCE_SCATTER on TorchRec's own transport: it sums the "
+            f"wire tensors, and {name!r} does not declare them summable "
+            f"(CodecInfo.summable), so the result would be silently wrong. Give that op a "
+            f"summable codec (noop, fp16, bf16), e.g. {fix}. {allow}"
         )
     name = codec_info(pair.backward).name
     raise CodecError(
         f"{given.where}: codec {name!r} cannot be the backward codec of "
-        f"POOLED_EMBEDDINGS_REDUCE_SCATTER: TorchRec all-gathers that gradient into a "
-        f"buffer of the unencoded size, and {name!r} changes the element count "
-        f"(calc_quantized_size). Use an element-wise codec there (noop, fp16, bf16), "
-        f"e.g. {fix}, {allow}"
+        f"POOLED_EMBEDDINGS_REDUCE_SCATTER on TorchRec's own transport: it all-gathers "
+        f"that gradient into a buffer of the unencoded size, and {name!r} changes the "
+        f"element count (calc_quantized_size). Use an element-wise codec there (noop, "
+        f"fp16, bf16), e.g. {fix}. {allow}"
     )
 
 

@@ -385,7 +385,7 @@ def _refusal(*args: Any, **kwargs: Any) -> str:
 def _suggested(msg: str, prefix: str) -> str:
     """The fix the message suggests after ``e.g. <prefix>``, without a closing bracket."""
     assert f"e.g. {prefix}" in msg, msg
-    fix = msg.split(f"e.g. {prefix}", 1)[1].split(", or", 1)[0]
+    fix = msg.split(f"e.g. {prefix}", 1)[1].split(". On qcomm's exchange", 1)[0]
     return fix[:-1] if prefix.endswith("(") else fix
 
 
@@ -393,7 +393,8 @@ def test_unsummable_reduce_scatter_from_qcomm_codecs_is_fixed_in_its_own_form(mo
     monkeypatch.setenv("QCOMM_CODECS", "int8")
     msg = _refusal()
     assert msg.startswith("QCOMM_CODECS: codec 'int8' cannot be the forward codec of "), msg
-    assert f"e.g. QCOMM_CODECS='{_INT8_FIX}', or, if the registry only feeds" in msg, msg
+    assert f"e.g. QCOMM_CODECS='{_INT8_FIX}'. On qcomm's exchange" in msg, msg
+    assert "allow_unsummable_reduce_scatter=True) (which still reads QCOMM_CODECS)" in msg, msg
     assert "build_registry({" not in msg and "build_registry('" not in msg, msg
     assert "build_registry(allow_unsummable_reduce_scatter=True)" in msg, msg
     # The fix, pasted into the variable, is taken.
@@ -410,13 +411,13 @@ def test_unsummable_reduce_scatter_from_qcomm_codecs_is_fixed_in_its_own_form(mo
     msg = _refusal()
     assert (
         "e.g. QCOMM_CODECS='pooled_embeddings_all_to_all=int8:row_dim=64/fp16,"
-        "pooled_embeddings_reduce_scatter=bf16/fp16', or" in msg
+        "pooled_embeddings_reduce_scatter=bf16/fp16'. On qcomm's exchange" in msg
     ), msg
     # A size-changing backward is refused with the variable's name and a fix too.
     monkeypatch.setenv("QCOMM_CODECS", "pooled_embeddings_reduce_scatter=fp16/int8")
     msg = _refusal()
     assert msg.startswith("QCOMM_CODECS: codec 'int8' cannot be the backward codec of "), msg
-    assert "e.g. QCOMM_CODECS='pooled_embeddings_reduce_scatter=fp16/bf16', or" in msg, msg
+    assert "e.g. QCOMM_CODECS='pooled_embeddings_reduce_scatter=fp16/bf16'. On qcomm's" in msg, msg
 
 
 def test_unsummable_reduce_scatter_from_a_string_or_a_mapping_is_fixed_in_its_own_form(
@@ -427,7 +428,7 @@ def test_unsummable_reduce_scatter_from_a_string_or_a_mapping_is_fixed_in_its_ow
     monkeypatch.delenv("QCOMM_CODECS", raising=False)
     msg = _refusal("int8")
     assert msg.startswith("build_registry: codec 'int8' cannot be the forward codec"), msg
-    assert f"e.g. build_registry({_INT8_FIX!r}), or pass allow_unsummable" in msg, msg
+    assert f"e.g. build_registry({_INT8_FIX!r}). On qcomm's exchange" in msg, msg
     assert "QCOMM_CODECS" not in msg, msg
     assert qcomm.build_registry(ast.literal_eval(_suggested(msg, "build_registry(")))
 
@@ -440,7 +441,7 @@ def test_unsummable_reduce_scatter_from_a_string_or_a_mapping_is_fixed_in_its_ow
         "{'pooled_embeddings_all_to_all': 'int8', "
         "'POOLED_EMBEDDINGS_REDUCE_SCATTER': ('bf16', 'fp16')}"
     )
-    assert f"e.g. build_registry({fix}), or pass allow_unsummable" in msg, msg
+    assert f"e.g. build_registry({fix}). On qcomm's exchange" in msg, msg
     assert qcomm.build_registry(ast.literal_eval(_suggested(msg, "build_registry(")))
 
     # Keywords give every op the same pair: the fix is a mapping.
@@ -450,14 +451,14 @@ def test_unsummable_reduce_scatter_from_a_string_or_a_mapping_is_fixed_in_its_ow
         "'sequence_embeddings_all_to_all': 'int8/noop', "
         "'pooled_embeddings_reduce_scatter': 'bf16/noop'}"
     )
-    assert f"e.g. build_registry({fix}), or pass allow_unsummable" in msg, msg
+    assert f"e.g. build_registry({fix}). On qcomm's exchange" in msg, msg
     # Codec objects have no literal: the fix names them or says what changes.
     msg = _refusal(forward=_Unsummable())
     assert "'pooled_embeddings_all_to_all': (forward, 'noop')" in msg, msg
     msg = _refusal({CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER: _Unsummable()})
     assert (
         "e.g. build_registry({...}) with CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER: 'bf16' "
-        "and the other entries as before, or pass" in msg
+        "and the other entries as before. On qcomm's exchange" in msg
     ), msg
 
 
