@@ -11,48 +11,71 @@ One thread is enough and keeps calls in the order they were issued. It never
 waits for anything the caller's thread has still to do: every send of a call
 is posted before the call returns, so each message it waits for is on its
 way. An error is raised again where the call is waited for.
+
+Calls never waited for are finished here too (:func:`drop`), and the process
+exits only once the thread is idle (:func:`close`, at exit): a thread left
+inside a gloo wait while the interpreter finalizes is killed when the wait
+returns, and that kill aborts the process ("terminate called without an
+active exception").
 """
 
 from __future__ import annotations
 
+import math
+import os
 import queue
 import threading
+import warnings
 from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
-__all__ = ["completed", "later"]
+__all__ = ["EXIT_TIMEOUT_ENV", "close", "completed", "drop", "exit_timeout", "later"]
 
 #: calls completed in the background so far (what tests count)
 completed = 0
+#: calls dropped without a wait and finished here (what tests count)
+dropped = 0
 
-_jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+T = TypeVar("T")
+
+EXIT_TIMEOUT_ENV = "QCOMM_EXIT_TIMEOUT"
+_EXIT_TIMEOUT = 10.0
+
+_jobs: queue.SimpleQueue[_Job[Any] | None] = queue.SimpleQueue()
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
+# Set at exit: the thread is stopped for good and work runs where it is given.
+_closed = False
 
 
-class _Job:
-    def __init__(self, work: Callable[[], None]) -> None:
-        self.work = work
+class _Job(Generic[T]):
+    def __init__(self, work: Callable[[], T]) -> None:
+        self.work: Callable[[], Any] = work
         self.done = threading.Event()
+        self.result: T | None = None
         self.error: BaseException | None = None
 
-    def join(self) -> None:
+    def run(self) -> None:
+        global completed
+        try:
+            self.result = self.work()
+        except BaseException as err:  # noqa: BLE001 - raised again by join()
+            self.error = err
+        finally:
+            self.work = _nothing  # drops what the call held
+            completed += 1
+            self.done.set()
+
+    def join(self) -> T:
         self.done.wait()
         if self.error is not None:
             raise self.error
+        return self.result  # type: ignore[return-value]
 
 
 def _run() -> None:
-    global completed
-    while True:
-        job = _jobs.get()
-        try:
-            job.work()
-        except BaseException as err:  # noqa: BLE001 - raised again by join()
-            job.error = err
-        finally:
-            job.work = _nothing  # drops what the call held
-            completed += 1
-            job.done.set()
+    while (job := _jobs.get()) is not None:
+        job.run()
         # Nothing of the call (its error included) stays with the thread.
         del job
 
@@ -61,14 +84,80 @@ def _nothing() -> None:
     pass
 
 
-def later(work: Callable[[], None]) -> Callable[[], None]:
-    """Starts ``work`` in the background; returns what waits for it (and raises its error)."""
+def later(work: Callable[[], T]) -> Callable[[], T]:
+    """
+    Starts ``work`` in the background; returns what waits for it (returns
+    its result, raises its error).
+    """
     global _thread
     job = _Job(work)
     with _lock:
+        here = _closed
         # A forked child has the thread object but not the thread.
-        if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_run, name="qcomm-completion", daemon=True)
-            _thread.start()
-    _jobs.put(job)
+        if not here and (_thread is None or not _thread.is_alive()):
+            thread = threading.Thread(target=_run, name="qcomm-completion", daemon=True)
+            try:
+                thread.start()
+                _thread = thread
+            except RuntimeError:
+                # Python 3.12 and later start no thread in an exit hook.
+                here = True
+        if not here:
+            _jobs.put(job)
+    if here:
+        # Exit has begun: the work is done now, where it is given.
+        job.run()
     return job.join
+
+
+def drop(finish: Callable[[], object]) -> None:
+    """
+    Finishes a call that will never be waited for, in the background: its
+    messages complete (its peers wait for them) and its buffers come back;
+    its result and its error are dropped. Nothing once exit has begun.
+    """
+    global dropped
+    if _closed:
+        return
+    dropped += 1
+    later(finish)
+
+
+def exit_timeout() -> float:
+    """
+    Seconds the process waits at exit for its calls in flight: ``QCOMM_EXIT_TIMEOUT``,
+    or 10; a value that is no number of seconds is warned of, and 10 is used.
+    """
+    raw = os.environ.get(EXIT_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return _EXIT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not (math.isfinite(seconds) and seconds >= 0):
+        # Raised at exit it would only be printed, and nothing waited for.
+        warnings.warn(
+            f"{EXIT_TIMEOUT_ENV}: expected a finite number of seconds >= 0, got {raw!r}; "
+            f"waiting {_EXIT_TIMEOUT:g} s for the calls in flight",
+            stacklevel=2,
+        )
+        return _EXIT_TIMEOUT
+    return seconds
+
+
+def close(timeout: float) -> bool:
+    """
+    Lets the thread finish every call given to it, for up to ``timeout``
+    seconds, then stops it; returns whether it stopped. Work given after this
+    runs where it is given.
+    """
+    global _closed
+    with _lock:
+        _closed = True
+        thread = _thread
+    if thread is None or not thread.is_alive():
+        return True
+    _jobs.put(None)
+    thread.join(timeout)
+    return not thread.is_alive()

@@ -7,6 +7,9 @@ the inverse collective.
 
 from __future__ import annotations
 
+import atexit
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +17,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from qcomm.awaitable import Awaitable
-from qcomm.collectives import _streams
+from qcomm.collectives import _background, _streams
 
 
 class _Collective(torch.autograd.Function):
@@ -61,17 +64,53 @@ class Pending(Awaitable[torch.Tensor]):
     ) -> None:
         super().__init__()
         self._input = input
-        self._finish = finish
+        self._finish: Callable[[], torch.Tensor] | None = finish
         self._backward = backward
         # Everything the call gave the current stream is issued by now.
         self._mark = _streams.issued(input.device)
+        _unwaited.add(self)
 
     def _wait_impl(self) -> torch.Tensor:
         # Function.apply is untyped in torch's stubs.
         apply: Callable[..., torch.Tensor] = _Collective.apply
+        # Taken first: a call whose wait failed is never finished again.
+        finish, self._finish = self._finish, None
+        _unwaited.discard(self)
         _streams.join(self._mark)
-        output = apply(self._input, _ANCHOR, self._finish, self._backward)
+        assert finish is not None
+        output = apply(self._input, _ANCHOR, finish, self._backward)
         _streams.keep(self._mark, output)
         # Drop what the call held so that wait() frees the wire buffers.
-        del self._input, self._finish, self._backward
+        del self._input, self._backward
         return output
+
+    def __del__(self) -> None:
+        # Dropped without a wait: its peers still wait for its messages.
+        finish = getattr(self, "_finish", None)
+        if finish is not None:
+            _background.drop(finish)
+
+
+# Calls issued and not yet waited for, finished in the background at exit.
+_unwaited: weakref.WeakSet[Pending] = weakref.WeakSet()
+
+
+def _at_exit() -> None:
+    # While the interpreter still runs: a call's rest left to gloo's threads
+    # and to the background thread would end in the interpreter's teardown,
+    # which aborts the process. A later wait() (another exit hook) joins it.
+    for pending in list(_unwaited):
+        finish = pending._finish
+        if finish is not None:
+            pending._finish = _background.later(finish)
+    timeout = _background.exit_timeout()
+    if not _background.close(timeout):
+        warnings.warn(
+            f"qcomm: calls in flight at exit not done after {timeout:g} s "
+            f"({_background.EXIT_TIMEOUT_ENV}), given up on: a peer has not sent its part",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
+atexit.register(_at_exit)
