@@ -174,9 +174,11 @@ def build_registry(
             Default: ``None`` (no-op).
         backward (str | QuantizedCommCodec, optional): backward codec of every
             op. Default: ``None`` (no-op).
-        allow_unsummable_reduce_scatter (bool, optional): lift the warning's
-            rule, for a registry that only feeds
-            :func:`~qcomm.reduce_scatter_pooled`. Default: ``False``.
+        allow_unsummable_reduce_scatter (bool, optional): accept a reduce-scatter
+            codec that TorchRec's own transport cannot carry (it sums wires), for a
+            registry whose reduce-scatter runs only where each part is decoded
+            before the sum: qcomm's exchange (TorchRec's default route with a
+            qcomm registry) or :func:`~qcomm.reduce_scatter_pooled`. Default: ``False``.
 
     Returns:
         dict[str, QuantizedCommCodecs]: pairs keyed by ``CommOp.name``; each
