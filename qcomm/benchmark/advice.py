@@ -459,13 +459,14 @@ def _max_error(row: CodecRow) -> float:
 def _pick(
     labels: list[str], figures: dict[str, Speedup], errors: dict[str, float], spread: float
 ) -> tuple[str, list[str]]:
-    # Only a codec faster than the no-op codec by more than the run's spread
-    # (and by _WORTH) is worth its error. Of those, every one within the
-    # spread of the fastest is as fast as far as this run can tell: the
-    # least error wins, so that noise does not decide between codecs of one
-    # size on the wire. Also returns the codecs faster than the pick that
-    # lost to their error or to the spread.
-    clear = [label for label in labels if figures[label].value >= max(spread, _WORTH)]
+    # Only a codec faster than the no-op codec by a clear margin (_WORTH)
+    # over the run's spread is worth its error: a figure just above the
+    # spread is as likely noise. Of those, every one within the spread of
+    # the fastest is as fast as far as this run can tell: the least error
+    # wins, so that noise does not decide between codecs of one size on the
+    # wire. Also returns the codecs faster than the pick that lost to their
+    # error or to the spread.
+    clear = [label for label in labels if figures[label].value >= spread * _WORTH]
     if not clear:
         faster = [label for label in labels if figures[label].value > 1.0 and label != "noop"]
         return "noop", faster
@@ -588,8 +589,11 @@ def advice_json(
     advice_json(results: dict[str, Any], *, max_error: str | float | None = None, loss_gaps: dict | None = None, training_results: str | None = None) -> dict[str, Any]
 
     The advice as the JSON's ``advice`` key: the error budget, and per link
-    rate the registry string and per collective the pair, its spec, its
-    expected speed-up and error, and whether it was measured or predicted.
+    rate the registry string, the run's spread (:func:`run_spread`), whether
+    the advice is ``provisional`` (that spread is over the 5% a pick must
+    gain, so the figures cannot separate the candidates) and per collective
+    the pair, its spec, its expected speed-up and error, and whether it was
+    measured or predicted.
 
     Args:
         results (dict[str, Any]): the run's JSON content.
@@ -604,8 +608,17 @@ def advice_json(
         collectives = [
             {**dataclasses.asdict(a), "pair": a.pair, "spec": registry_string([a])} for a in advice
         ]
+        spread = run_spread(results, rate)
         rates.append(
-            {"gbit_per_s": rate, "registry": registry_string(advice), "collectives": collectives}
+            {
+                "gbit_per_s": rate,
+                "registry": registry_string(advice),
+                "collectives": collectives,
+                "spread": spread,
+                # The rounds disagree by more than the gain a pick must show:
+                # more rounds (or a run without --quick) may pick otherwise.
+                "provisional": bool(collectives) and spread > _WORTH,
+            }
         )
     return {
         "max_rms_error": limit,

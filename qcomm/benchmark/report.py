@@ -293,6 +293,13 @@ def _advice(results: dict[str, Any]) -> list[str]:
         if not chosen:
             continue
         gbit = rate["gbit_per_s"]
+        if rate.get("provisional"):
+            lines.append(
+                f"  PROVISIONAL at {gbit:g} Gbit/s: this run's rounds spread by "
+                f"x{rate['spread']:.2f}, more than the x1.05 a pick must gain, so its "
+                f"figures cannot separate the candidates; more --rounds (or a run "
+                f"without --quick) can pick otherwise"
+            )
         if real:
             lines.append("  on this cluster's link (measured in this run):")
         elif chosen[0]["measured"]:
@@ -305,8 +312,8 @@ def _advice(results: dict[str, Any]) -> list[str]:
             lines.append(
                 f"    {OP_TITLES.get(a['op'], a['op'])}: {a['pair']}, x{a['speedup']:.2f} forward "
                 f"and backward (forward x{a['forward_speedup']:.2f}); forward error RMS "
-                f"{_num(a['rms_rel_error'], 2)}, max {_num(a['max_rel_error'], 2)} of the data's "
-                f"scale{_gap_text(a['loss_gap'])}"
+                f"{_num(a['rms_rel_error'], 2)} of the data's RMS, largest "
+                f"{_num(a['max_rel_error'], 2)} of its max|x|{_gap_text(a['loss_gap'])}"
             )
             if a["left_out"]:
                 lines.append(f"      left out by the error budget: {', '.join(a['left_out'])}")
@@ -324,23 +331,30 @@ def _advice(results: dict[str, Any]) -> list[str]:
         lines.append(f"    QCOMM_CODECS='{spec}'  or  qcomm.build_registry(\"{spec}\")")
         if real:
             break
+    # The speed-ups it chose from first, the picks and the string to paste last.
+    return _speedup_table(results, advice) + lines
+
+
+def _speedup_table(results: dict[str, Any], advice: dict[str, Any]) -> list[str]:
+    if results["meta"].get("local") is False:
+        return []
     rates = [rate["gbit_per_s"] for rate in advice["rates"]]
     figures = [speedups(results, gbit) for gbit in rates]
     op = next((op for op in figures[0] if all(op in f for f in figures)), None)
-    if op is None or real:
-        return lines
+    if op is None:
+        return []
     header = ["codec", *[f"{gbit:g} Gbit/s" for gbit in rates]]
     table = [
         [label, *["noise" if f[op][label].noise else f"x{f[op][label].value:.2f}" for f in figures]]
         for label in figures[0][op]
     ]
     how = "measured" if figures[0][op]["noop"].measured else "expected"
-    lines += [
-        f"  Speed-up over noop, {OP_TITLES.get(op, op)}, {how} ('noise': above the codec's "
+    return [
+        f"Speed-up over noop, {OP_TITLES.get(op, op)}, {how} ('noise': above the codec's "
         f"compression ratio; the plot has every rate):",
         "  " + format_table(header, table, text_columns=1).replace("\n", "\n  "),
+        "",
     ]
-    return lines
 
 
 def _warnings(results: dict[str, Any]) -> list[str]:
@@ -421,7 +435,8 @@ def format_report(results: dict[str, Any]) -> str:
     format_report(results: dict[str, Any]) -> str
 
     The terminal report: the codec table, the collectives' tables, the
-    advice, and the failures with their reasons.
+    legend, the machine's load, warnings, the failures with their reasons,
+    and last the advice.
 
     Args:
         results (dict[str, Any]): the JSON's content.
@@ -435,7 +450,8 @@ def format_report(results: dict[str, Any]) -> str:
         "",
         f"Codecs on {format_size(roof['bytes'])} of float32 per rank "
         f"(memory copy: {_num(roof['copy_GBps'])} GB/s; 'x copy' = fraction of it; "
-        f"errors relative to max|x|):",
+        f"each error relative to the data's own: rms rel = RMS error / RMS of x, "
+        f"max rel = largest error / max|x|):",
         _codec_table(results),
     ]
     for table in _collective_tables(results, "fwd") + _collective_tables(results, "fwd+bwd"):
@@ -445,9 +461,6 @@ def format_report(results: dict[str, Any]) -> str:
     against = _against_pytorch(results)
     if against:
         lines += ["", *against]
-    advice = _advice(results)
-    if advice:
-        lines += ["", *advice]
     load = (meta.get("load_before"), meta.get("load_after"))
     lines += [
         "",
@@ -484,6 +497,10 @@ def format_report(results: dict[str, Any]) -> str:
     if failures or unavailable:
         lines += ["", "Failed or unavailable:"]
         lines += [f"  {name}: {_first_line(error)}" for name, error in [*unavailable, *failures]]
+    # The answer comes last, where the eye lands when the run ends.
+    advice = _advice(results)
+    if advice:
+        lines += ["", *advice]
     return "\n".join(lines)
 
 
@@ -618,7 +635,8 @@ def write_report(
     r"""
     write_report(results: dict[str, Any], *, json_path: str | None = None, plot_path: str | None = None) -> None
 
-    Prints the report on stdout and writes the JSON and the plot if asked.
+    Writes the JSON and the plot if asked, then prints the report on stdout,
+    last, so that the run ends with its advice.
     Should the JSON file fail to be written (its folder removed since the
     run started, a full disk), the figures go to a temporary file named on
     stderr rather than being lost.
@@ -629,26 +647,35 @@ def write_report(
         plot_path (str, optional): where to draw the PNG. Default: ``None``.
     """
     train = "train" in results
-    print((format_train_report if train else format_report)(results), flush=True)
-    if json_path:
-        units = UNITS
-        if train:
-            mlp = results["train"]["model"].get("name") == "mlp"
-            units = TRAIN_MLP_UNITS if mlp else TRAIN_UNITS
-        text = json.dumps(jsonable({**results, "units": units}), indent=2, allow_nan=False)
-        try:
-            with open(json_path, "w") as f:
-                f.write(text + "\n")
-            print(f"figures written to {json_path}", file=sys.stderr)
-        except OSError as err:
-            fd, fallback = tempfile.mkstemp(prefix="qcomm-bench-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                f.write(text + "\n")
-            print(
-                f"could not write {json_path}: {err.strerror or err}; "
-                f"figures written to {fallback} instead",
-                file=sys.stderr,
-            )
-    if plot_path:
-        write_plot(results, plot_path)
-        print(f"plot written to {plot_path}", file=sys.stderr)
+    report = (format_train_report if train else format_report)(results)
+    try:
+        if json_path:
+            _write_json(results, json_path, train)
+        if plot_path:
+            write_plot(results, plot_path)
+            print(f"plot written to {plot_path}", file=sys.stderr)
+    finally:
+        # The report ends with the answer: nothing of ours is printed after it.
+        sys.stderr.flush()
+        print(report, flush=True)
+
+
+def _write_json(results: dict[str, Any], json_path: str, train: bool) -> None:
+    units = UNITS
+    if train:
+        mlp = results["train"]["model"].get("name") == "mlp"
+        units = TRAIN_MLP_UNITS if mlp else TRAIN_UNITS
+    text = json.dumps(jsonable({**results, "units": units}), indent=2, allow_nan=False)
+    try:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
+        print(f"figures written to {json_path}", file=sys.stderr)
+    except OSError as err:
+        fd, fallback = tempfile.mkstemp(prefix="qcomm-bench-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        print(
+            f"could not write {json_path}: {err.strerror or err}; "
+            f"figures written to {fallback} instead",
+            file=sys.stderr,
+        )

@@ -107,6 +107,13 @@ class Series:
         return f"{self.impl}[{self.codec}]"
 
 
+# Newer torch names reduce_scatter_tensor (which then warns) reduce_scatter_single.
+_reduce_scatter_single = (
+    getattr(torch.distributed, "reduce_scatter_single", None)
+    or torch.distributed.reduce_scatter_tensor
+)
+
+
 def base_input(size_bytes: int, *, world_size: int, dim: int, seed: int) -> torch.Tensor:
     r"""
     base_input(size_bytes: int, *, world_size: int, dim: int, seed: int) -> Tensor
@@ -217,7 +224,7 @@ def torchrec_all_to_all() -> Callable[..., Any]:
 #: ``p2p`` sends every peer its block and receives its block from every peer,
 #: all at once, receives posted first (what the link allows); ``native`` is
 #: the backend's collective of the same kind (``all_to_all_single``, or
-#: ``reduce_scatter_tensor`` for the reduce-scatter), into a kept output.
+#: ``reduce_scatter_single`` for the reduce-scatter), into a kept output.
 BARE = ("p2p", "native")
 
 
@@ -258,7 +265,7 @@ def bare_series(op: CommOp, name: str) -> Series:
         if op is CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER:
             world = torch.distributed.get_world_size(group)
             mine = out[: case.input.shape[0] // world]
-            torch.distributed.reduce_scatter_tensor(mine, case.input, group=group)
+            _reduce_scatter_single(mine, case.input, group=group)
             return mine
         torch.distributed.all_to_all_single(out, case.input, group=group)
         return out
