@@ -109,7 +109,7 @@ def overlaps(texts: list[Any]) -> list[tuple[str, str]]:
 def test_speedup_curves_are_named_at_their_right_end() -> None:
     fig = drawn(make_results())
     ax = fig.axes[0]
-    texts = {t.get_text(): t for t in ax.texts}
+    texts = {t.get_text().removesuffix(" (over budget)"): t for t in ax.texts}
     curves = [line for line in ax.lines if len(line.get_xdata()) > 2]
     assert len(curves) == len(MODEL)
     for name in MODEL:
@@ -121,12 +121,15 @@ def test_speedup_curves_are_named_at_their_right_end() -> None:
         end = ax.transData.transform((curve.get_xdata()[-1], curve.get_ydata()[-1]))
         assert abs(end[0] - ax.bbox.x1) < 1
         assert box.y0 - 60 < end[1] < box.y1 + 60  # spread, yet near its curve
-    # No legend lists the curves: the only one with many entries is the
+    # No legend lists the curves: the speed-up panel's names the advice's
+    # pick (and the measured dots); the only one with many entries is the
     # bandwidth row's, below the axes.
     for legend in fig.findobj(Legend):
         entries = [t.get_text() for t in legend.get_texts()]
         if legend.axes is ax:
-            assert len(entries) == 1
+            assert len(entries) <= 2 and any("the advice's pick" in e for e in entries)
+        elif legend.axes is fig.axes[1]:
+            assert any("error budget" in e for e in entries)
         else:
             assert "bus-bandwidth" in legend.get_title().get_text()
             box = legend.get_window_extent()
@@ -148,7 +151,7 @@ def test_labels_of_the_first_row_do_not_overlap(link: bool) -> None:
         assert box.x0 - 20 < x < box.x1 + 20 and box.y0 - 60 < y < box.y1 + 60
     if link:  # the measured dots are explained in the panel
         legend = speedup.get_legend()
-        assert "measured" in legend.get_texts()[0].get_text()
+        assert any("measured" in t.get_text() for t in legend.get_texts())
 
 
 def test_the_overlap_check_sees_unplaced_labels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,3 +199,58 @@ def test_a_real_cluster_has_no_cpu_limit() -> None:
     ax = drawn(make_results(local=False)).axes[0]
     assert not [t for t in ax.texts if "CPU" in t.get_text()]
     assert len(ax.texts) == len(MODEL) + 1  # the curves' names and the user's link
+
+
+def _budgeted(budget: float) -> dict[str, Any]:
+    # A run whose advice kept codecs under an RMS budget and picked int8 at
+    # 1 Gbit/s and noop at 100.
+    results = make_results()
+    op = OPS[0]
+    results["advice"] = {
+        "max_rms_error": budget,
+        "rates": [
+            {"gbit_per_s": 1.0, "collectives": [{"op": op, "forward": "int8"}]},
+            {"gbit_per_s": 100.0, "collectives": [{"op": op, "forward": "noop"}]},
+        ],
+    }
+    return results
+
+
+def test_the_plot_draws_the_budget_and_the_pick() -> None:
+    fig = drawn(_budgeted(0.03))
+    speedup, error = fig.axes[:2]
+    # The budget: a horizontal line at 0.03 on the error panel, named.
+    flat = [line for line in error.lines if list(line.get_ydata()) == [0.03, 0.03]]
+    assert len(flat) == 1 and "error budget" in flat[0].get_label()
+    # The pick: a star on int8's curve at 1 Gbit/s (and noop's at 100), named.
+    stars = [
+        c.get_offsets()[0].tolist()
+        for c in speedup.collections
+        if len(c.get_offsets()) == 1 and c.get_paths() and c.get_sizes()[0] == 220
+    ]
+    assert sorted(x for x, _ in stars) == [1.0, 100.0]
+    legend = [t.get_text() for t in speedup.get_legend().get_texts()]
+    assert any("int8 at 1, noop at 100" in text for text in legend)
+    picked = [c for c in error.collections if len(c.get_sizes()) and c.get_sizes()[0] == 260]
+    # int8's point (noop, exact, has none on a log scale).
+    assert [c.get_offsets()[0].tolist() for c in picked] == [[10.0, 0.0046]]
+    # Over the budget (mx4, int4, fp8_e4m3_tensor, fp8_e5m2): faint, and said so.
+    over = {t.get_text() for t in speedup.texts if t.get_alpha() == plot._FADED}
+    assert over == {f"{c} (over budget)" for c in ("mx4", "int4", "fp8_e4m3_tensor", "fp8_e5m2")}
+
+
+def test_every_curve_stays_visible_where_curves_coincide() -> None:
+    # int8 and fp8_e4m3 (same ratio, cost within 1%), fp16 and bf16: the
+    # later of each pair is drawn in another line style, on top.
+    fig = drawn(make_results())
+    ax = fig.axes[0]
+    curves = [line for line in ax.lines if len(line.get_xdata()) > 2]
+    styles = {}
+    for line in curves:
+        (name,) = [t.get_text() for t in ax.texts if t.get_color() == line.get_color()]
+        styles[name.removesuffix(" (over budget)")] = line.get_linestyle()
+    assert styles["bf16"] != styles["fp16"] and styles["int8"] != styles["fp8_e4m3"]
+    # In the error panel qcomm's point is a ring and fbgemm's a cross inside it.
+    error = fig.axes[1]
+    rings = [c for c in error.collections if len(c.get_facecolors()) == 0]
+    assert rings, "qcomm's points are not hollow"

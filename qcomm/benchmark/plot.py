@@ -10,7 +10,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from qcomm.benchmark.advice import advice_rates, cpu_limits, expected_speedups, speedups
+from qcomm.benchmark.advice import (
+    advice_json,
+    advice_rates,
+    cpu_limits,
+    expected_speedups,
+    speedups,
+)
 from qcomm.benchmark.candidates import FBGEMM_FORMATS
 from qcomm.benchmark.options import OP_TITLES, format_size
 from qcomm.benchmark.rows import codec_rows, points
@@ -35,6 +41,37 @@ def _family(label: str) -> str:
 
 
 _FBGEMM_FAMILY = {fmt.lower(): name for name, fmt in FBGEMM_FORMATS.items()}
+# Curves that coincide (one ratio, one cost: int8 and fp8_e4m3, fp16 and bf16)
+# are told apart by their line: the later ones dashed, thinner, on top.
+_STYLES = [("-", 2.6), ("--", 1.8), (":", 1.6), ("-.", 1.4)]
+# How a codec the error budget leaves out is drawn: faint, so the eye does
+# not pick it.
+_FADED = 0.3
+
+
+def _answer(results: dict[str, Any]) -> tuple[float | None, dict[str, dict[float, str]]]:
+    """The advice's error budget and its forward pick per collective and link rate."""
+    advice = results.get("advice")
+    if advice is None:
+        try:
+            advice = advice_json(results)
+        except (KeyError, TypeError, ValueError):  # a run without the advice's figures
+            return None, {}
+    picks: dict[str, dict[float, str]] = {}
+    for rate in advice.get("rates", []):
+        for a in rate.get("collectives", []):
+            picks.setdefault(a["op"], {})[rate["gbit_per_s"]] = a["forward"]
+    return advice.get("max_rms_error"), picks
+
+
+def _over_budget(results: dict[str, Any], budget: float | None) -> set[str]:
+    if budget is None:
+        return set()
+    return {
+        r.codec
+        for r in codec_rows(results)
+        if r.status == "ok" and r.rms_rel_error is not None and r.rms_rel_error > budget
+    }
 
 
 def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> list[Any]:
@@ -56,23 +93,36 @@ def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> l
     if cpu:  # the limit on the axis, with room either side
         low, high = min(low, cpu / 3), max(high, cpu * 3)
     rates = list(np.logspace(np.log10(low), np.log10(high), 80))
+    budget, picks = _answer(results)
+    over = _over_budget(results, budget)
     ends = []
+    drawn: list[list[float]] = []
     for label, figures in expected_speedups(results, rates)[op].items():
         # None: noise (more than the codec's bytes allow), left as a gap.
         values = [math.nan if v is None else v for v in figures]
         last = [v for v in values if not math.isnan(v)]
         if not last:
             continue
-        ax.plot(rates, values, color=color[_family(label)], linewidth=1.8)
+        same = sum(_coincide(values, other) for other in drawn)
+        drawn.append(values)
+        style, width = _STYLES[same % len(_STYLES)]
+        alpha = _FADED if label in over else 1.0
+        ax.plot(
+            rates, values, color=color[_family(label)], linewidth=width, linestyle=style,
+            alpha=alpha, zorder=2 + same,
+        )  # fmt: skip
         # Named by its right end (its last figure), in a column right of the
         # axes; _spread_ends moves it up or down once the layout fixes where
         # the curves end.
+        name = f"{label} (over budget)" if label in over else label
         ends.append(
             ax.annotate(
-                label, (rates[-1], last[-1]), xytext=(4, 0), textcoords="offset points",
+                name, (rates[-1], last[-1]), xytext=(4, 0), textcoords="offset points",
                 va="center", fontsize=8, color=color[_family(label)], annotation_clip=False,
+                alpha=alpha,
             )
         )  # fmt: skip
+    _mark_picks(ax, results, op, picks.get(op, {}), color)
     ax.set_xlim(low, high)  # the curves end on the right spine, by their labels
 
     def mark(rate: float, text: str, top: bool) -> None:
@@ -104,7 +154,8 @@ def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> l
             ax.scatter([rate], [figure.value], color=color[_family(label)], s=40)
         if measured:  # one grey dot stands for all: a codec's colour is its curve's
             ax.scatter([], [], color="grey", s=40, label=f"measured on the {link['spec']} link")
-            ax.legend(loc="best", fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=8)
     for rate in advice_rates(results):
         ax.axvline(rate, color="grey", linestyle=":", linewidth=1)
     user = results["meta"].get("link_gbps") or (
@@ -128,6 +179,36 @@ def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> l
     )
     ax.grid(True, which="both", alpha=0.3)
     return ends
+
+
+def _coincide(a: list[float], b: list[float]) -> bool:
+    # Within 3% everywhere both are drawn: one would hide the other.
+    both = [(x, y) for x, y in zip(a, b) if not (math.isnan(x) or math.isnan(y))]
+    return bool(both) and all(abs(x - y) <= 0.03 * max(abs(x), abs(y)) for x, y in both)
+
+
+def _mark_picks(
+    ax: Any, results: dict[str, Any], op: str, picks: dict[float, str], color: dict[str, Any]
+) -> None:
+    # The advice's answer on its curve: a star at each rate it advises for.
+    if not picks:
+        return
+    at = sorted(picks)
+    figures = expected_speedups(results, at).get(op, {})
+    for k, rate in enumerate(at):
+        pick = picks[rate]
+        value = (figures.get(pick) or [None] * len(at))[k]
+        if value is None:
+            continue
+        ax.scatter(
+            [rate], [value], marker="*", s=220, color=color.get(_family(pick), "black"),
+            edgecolors="black", linewidths=0.8, zorder=10,
+        )  # fmt: skip
+    names = ", ".join(f"{picks[r]} at {r:g}" for r in at)
+    ax.scatter(
+        [], [], marker="*", s=120, color="white", edgecolors="black",
+        label=f"the advice's pick (Gbit/s): {names}",
+    )  # fmt: skip
 
 
 def _spread_ends(ax: Any, labels: list[Any], renderer: Any) -> None:
@@ -158,18 +239,45 @@ def _error_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> lis
         if r.status == "ok" and r.rms_rel_error and r.bits_per_element is not None
     ]  # an exact codec has no place on a log scale
     xy = [(x, y) for _, _, x, y in shown]
+    budget, picks = _answer(results)
+    over = _over_budget(results, budget)
+    chosen = {pick for by_rate in picks.values() for pick in by_rate.values()}
     labels = []
     for codec, fbgemm, x, y in shown:
-        ax.scatter(x, y, marker="x" if fbgemm else "o", s=60, color=color[_family(codec)], zorder=3)
+        alpha = _FADED if codec in over else 1.0
+        if fbgemm:  # a cross, inside qcomm's ring where the two coincide
+            ax.scatter(x, y, marker="x", s=50, color=color[_family(codec)], zorder=4, alpha=alpha)
+        else:
+            ax.scatter(
+                x, y, marker="o", s=110, facecolors="none", edgecolors=color[_family(codec)],
+                linewidths=1.8, zorder=3, alpha=alpha,
+            )  # fmt: skip
+        if codec in chosen:
+            ax.scatter(
+                x, y, marker="*", s=260, color=color[_family(codec)], edgecolors="black",
+                linewidths=0.8, zorder=5,
+            )  # fmt: skip
         labels.append(
             ax.annotate(
                 codec, (x, y), textcoords="offset points", xytext=_SPOTS[0],
-                va="center", fontsize=8,
+                va="center", fontsize=8, alpha=alpha,
             )
         )  # fmt: skip
     ax.set_yscale("log")
     if xy:  # room for the labels around the lowest and highest points
         ax.set_ylim(min(y for _, y in xy) / 3, max(y for _, y in xy) * 3)
+    if budget is not None:
+        ax.axhline(
+            budget, color="firebrick", linestyle="--", linewidth=1.2,
+            label=f"error budget: RMS {budget:g} (--max-error); above it, faint, left out",
+        )  # fmt: skip
+    if chosen:
+        ax.scatter(
+            [], [], marker="*", s=120, color="white", edgecolors="black",
+            label=f"the advice's pick: {', '.join(sorted(chosen))}",
+        )  # fmt: skip
+    if budget is not None or chosen:
+        ax.legend(loc="lower left", fontsize=8)
     ax.set_xlim(left=0, right=max([x for x, _ in xy], default=32) + 6)
     ax.set_xlabel("wire bits per element (measured, scales included)")
     ax.set_ylabel("RMS relative error against float32")
