@@ -164,7 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     The argument parser of the ``qcomm`` command, with its three sub-commands.
     """
-    parser = argparse.ArgumentParser(prog="qcomm", description=__doc__.strip().splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="qcomm",
+        description="qcomm's console script: list the codecs installed, check a codec "
+        "against the contract, measure codecs and collectives (bench).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_list = sub.add_parser(
