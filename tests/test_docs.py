@@ -121,3 +121,17 @@ def test_page_examples_run(page: str) -> None:
     test = doctest.DocTestParser().get_doctest(path.read_text(), {}, page, str(path), 0)
     failed, attempted, report = _run_doctests([test])
     assert failed == 0, f"{failed} of {attempted} examples failed in docs/{page}:\n{report}"
+
+
+def test_the_readme_starts_with_what_a_torchrec_user_does() -> None:
+    # The two commands, then the registry in TorchRec's sharders, within the
+    # first 80 lines; the DDP hook right after.
+    lines = (ROOT / "README.md").read_text().splitlines()
+    heads = {line: n for n, line in enumerate(lines, 1) if line.startswith("## ")}
+    quick, torchrec = heads["## Quick start"], heads["## Using qcomm with TorchRec"]
+    after = min(n for n in heads.values() if n > torchrec)
+    assert quick < torchrec and after - 1 <= 80, f"the TorchRec section ends at line {after - 1}"
+    assert lines[after - 1] == "## Dense gradients: a DDP hook"
+    start = "\n".join(lines[quick:torchrec])
+    assert "make bench" in start and "make test" in start
+    assert "qcomm_codecs_registry=registry" in "\n".join(lines[torchrec:after])
