@@ -25,11 +25,10 @@ the reduce-scatter's adjoint. What they share:
 - ``chunk_bytes`` sets the chunk the pipeline cuts each peer's data into, in
   float32 bytes whatever the dtype; ``None`` picks it (:doc:`collectives`,
   "Pipelined, full duplex").
-
-.. warning::
-    With a codec that returns its input (the no-op codec, ``codecs=None``),
-    the input's memory is sent as it is: do not modify ``input`` in place
-    before :meth:`~qcomm.Awaitable.wait`.
+- A call has read ``input`` when it returns, whatever the codec: ``input``
+  may be changed or reused at once, before :meth:`~qcomm.Awaitable.wait`,
+  and its gradient still goes where it went when the call was made
+  (:doc:`collectives`, "Asynchronous by default").
 """
 
 from qcomm.collectives.all_gather import all_gather_pooled

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from qcomm.collectives import _background, _header
+from qcomm.collectives import _background, _buffers, _header
 from qcomm.collectives._call import Call
 from qcomm.collectives._coding import Coding, PeerCodings
 from qcomm.collectives._transport import Transport
@@ -151,7 +151,8 @@ def copy_in_parts(target: torch.Tensor, source: torch.Tensor) -> Callable[[int, 
     The ``local`` work of :func:`start_exchange` that copies ``source`` into
     ``target`` (this rank's own block, which crosses no link) along dim 0, in
     as many parts as there are messages: copied whole before the first wait,
-    it would hold it up (and, on two cores, gloo's sending threads).
+    it would hold it up (and, on two cores, gloo's sending threads). A call
+    waited for later copies it whole before it returns, its sends posted.
     """
 
     def copy(part: int, parts: int) -> None:
@@ -180,9 +181,12 @@ def start_exchange(
     own share of the work in ``n`` parts: the function runs part ``i`` before
     it waits for the ``i``-th message, so that the work fills the waits
     instead of delaying the first send. ``background``: a call waited for
-    later; where the transport moves its messages on its own, the receiving
-    and decoding start now on the background thread (``_background``). A
-    disagreement or failure raises :class:`~qcomm.CodecError` on every rank.
+    later, whose caller may change its tensors once it returns: the sends
+    and ``local`` (whole, once every message is posted) read them before
+    this returns, and where the transport
+    moves its messages on its own, the receiving and decoding start now on
+    the background thread (``_background``). A disagreement or failure
+    raises :class:`~qcomm.CodecError` on every rank.
     """
     transport, name = call.transport, call.name
 
@@ -227,6 +231,32 @@ def start_exchange(
         codec = coding.codec
         return checked_encode(codec, coding.ctx, encodable(chunk, codec), size, coding.wire_dtype)
 
+    # A call waited for later leaves its caller free to change its tensors
+    # once it returns, but the point-to-point transport reads a wire while
+    # gloo sends it: a chunk sent before the last that is the caller's
+    # memory (no-op coding) goes as a copy, all of them in one kept buffer.
+    # (A peer's last chunk is copied anyway, joined with its status.)
+    lent = background and transport.moves_alone
+    copies = 0
+    if lent:
+        copies = sum(
+            size
+            for i, (to, region, _, _, size) in enumerate(outgoing)
+            if region is not None and codings[to[0]].identity and any(last_out[p] != i for p in to)
+        )
+    stage = transport.hold(_buffers.take(copies, dtype, transport.device)) if copies else None
+    staged = 0
+
+    def lend(wire: torch.Tensor, region: Region | None) -> torch.Tensor:
+        nonlocal staged
+        if not _reads(wire, region):
+            return wire
+        if stage is None or staged + wire.numel() > stage.numel() or wire.dtype != dtype:
+            return wire.clone()  # a codec that hands its input back
+        copy = stage[staged : staged + wire.numel()]
+        staged += wire.numel()
+        return copy.copy_(wire)
+
     checked = call.checked and bool(peers)
     headers = _announce(peers, flows, codings, dtype, call) if checked else {}
     # Receives are posted at once, as this rank expects them (its headers
@@ -270,6 +300,8 @@ def start_exchange(
             if failure is not None:
                 # The peers have posted receives of this size: fill them.
                 wire = torch.zeros(size, dtype=coding.wire_dtype, device=transport.device)
+            if lent and any(last_out[p] != i for p in targets):
+                wire = lend(wire, region)
             for peer in targets:
                 if last_out[peer] == i:
                     # Sent once every chunk is encoded, with the status of
@@ -288,6 +320,11 @@ def start_exchange(
     if failure is not None:
         transport.abandon()
         raise failure
+    if background and local is not None:
+        # The caller may refill its input once the call returns: the own
+        # block is copied now, its messages already on their way.
+        local(0, 1)
+        local = None
     pending = [item for item in pending if item[0] in agreed]
     expected = {
         p: _identity(name, transport.number, codings[p], dtype, flows[p][1]) for p in agreed
@@ -373,6 +410,13 @@ def start_exchange(
     if background and transport.moves_alone:
         return _background.later(finish)
     return finish
+
+
+def _reads(wire: torch.Tensor, region: Region | None) -> bool:
+    """Whether ``wire`` is the memory of ``region`` itself (no-op coding, or a codec that hands its input back)."""
+    if region is None or not wire.numel():
+        return False
+    return bool(wire.untyped_storage().data_ptr() == region.region.untyped_storage().data_ptr())
 
 
 def _identity(

@@ -214,6 +214,7 @@ def sequence_exchange(
     codecs: list[Any],
     call: Call,
     chunk_bytes: int | None,
+    background: bool = False,
 ) -> Callable[[], torch.Tensor]:
     """
     Starts the sequence all-to-all (either pass): ``send_rows[r]`` rows of
@@ -246,7 +247,7 @@ def sequence_exchange(
         dtype,
         chunk_bytes,
         local=copy_in_parts(flat[ro[rank] : ro[rank + 1]], source[so[rank] : so[rank + 1]]),
-        background=True,
+        background=background,
     )
     return _then(finish, out)
 

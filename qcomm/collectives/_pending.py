@@ -1,8 +1,9 @@
 """
 The result of a collective in flight, and its place in the autograd graph:
 :meth:`~qcomm.Awaitable.wait` finishes the call inside an autograd function
-whose input is the collective's input, so that the output's backward runs
-the inverse collective.
+whose input is the collective's input, as the call found it, so that the
+output's backward runs the inverse collective and hands its gradient to
+what made the input (not to what the caller wrote into it since).
 """
 
 from __future__ import annotations
@@ -46,6 +47,33 @@ class _Collective(torch.autograd.Function):
         return (grad_input if ctx.needs_input_grad[0] else None), None, None, None
 
 
+class _Taken(torch.autograd.Function):
+    """The input's place in the autograd graph when the call is made."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor) -> torch.Tensor:
+        # A stand-in of the input's shape, dtype and device on one element
+        # (never read): the input may change in place before wait() (the
+        # caller refills it) without moving the gradient's way to what made
+        # it. Strides of 0 rather than a view: autograd tracks views at a
+        # cost.
+        return input.new_empty_strided(input.shape, (0,) * input.dim())
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def taken(input: torch.Tensor) -> torch.Tensor:
+    """What :class:`Pending` ties the output to: ``input`` as the call found it."""
+    if input.requires_grad and torch.is_grad_enabled():
+        # Function.apply is untyped in torch's stubs.
+        apply: Callable[[torch.Tensor], torch.Tensor] = _Taken.apply
+        return apply(input)
+    return input
+
+
 # A leaf that needs a gradient, given to every call made where autograd
 # records: the output then needs a gradient on every rank, whether or not
 # this rank's input does, so that no rank skips the backward pass its peers
@@ -63,7 +91,7 @@ class Pending(Awaitable[torch.Tensor]):
         backward: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         super().__init__()
-        self._input = input
+        self._input = taken(input)
         self._finish: Callable[[], torch.Tensor] | None = finish
         self._backward = backward
         # Everything the call gave the current stream is issued by now.

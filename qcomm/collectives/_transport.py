@@ -180,6 +180,11 @@ class Transport:
             self._joined.append(wire)
         self._sends.append((peer, wire))
 
+    def hold(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Keeps ``buffer`` (from ``_buffers``, holding wires to send) until :meth:`close` gives it back."""
+        self._joined.append(buffer)
+        return buffer
+
     def flush(self) -> None:
         """Called after the last send: a transport that sends everything at once does it here."""
 

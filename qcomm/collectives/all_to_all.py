@@ -204,7 +204,9 @@ def all_to_all_sequence(
             agree.same("chunk_bytes", [chunk or 0])
             agree.mirror(sends, recvs)
         forward, backward = call.by_peer(forward), call.by_peer(backward)
-        finish = sequence_exchange(input.detach(), sends, recvs, forward, call, chunk)
+        finish = sequence_exchange(
+            input.detach(), sends, recvs, forward, call, chunk, background=True
+        )
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
         # instead of swapping gradients.
