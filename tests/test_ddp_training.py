@@ -6,6 +6,11 @@
   results are bit for bit those of the same calls made one after the other.
   The codec makes the two threads' first encodes meet, so the calls are in
   flight together.
+- A bfloat16 and a float32 parameter with the int8 hook and error feedback,
+  150 steps of a fixed gradient: the sum of what was applied drifts from the
+  exact sum by no more than what the residuals hold at the end, bfloat16 as
+  float32 (the bfloat16 bucket's residual sums and the rounding of its result
+  carried in float32); without feedback it drifts far beyond.
 
 One spawn per transport (forced with ``QCOMM_TRANSPORT``) runs every case;
 each case is reported as its own test, which also checks that the case's
@@ -30,6 +35,7 @@ from qcomm.collectives.all_reduce import Residuals, all_reduce
 
 WORLD = 2
 STEPS = 4
+U32 = 2.0**-24  # float32's unit roundoff
 
 
 def rendezvous_int8(meet: threading.Barrier | None) -> Any:
@@ -179,9 +185,71 @@ def case_shared_codec_threads(rank: int, world: int) -> None:
     )
 
 
+DRIFT_STEPS = 150
+MIXED: list[tuple[int, ...]] = [(1000,), (1000,)]
+MIXED_DTYPES = [torch.bfloat16, torch.float32]
+
+
+def case_bf16_feedback(rank: int, world: int) -> None:
+    # A fixed gradient for 150 steps, on a bfloat16 and a float32 parameter
+    # (one bucket each): with error feedback what was applied in sum stays
+    # within what the residuals hold at the end, for both.
+    gs = [
+        coefficients(f"mixed:{i}", math.prod(n)).to(d)
+        for i, (n, d) in enumerate(zip(MIXED, MIXED_DTYPES))
+    ]
+    exact = [g.double() for g in gs]
+    big = [g.double().abs().max() for g in gs]
+    for x in exact:
+        dist.all_reduce(x)
+        x /= world
+    for m in big:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    info = qcomm.codec_info(qcomm.load_codec("int8"))
+    rho, alpha = info.rel_error_bound, info.abs_error_bound
+    drift: dict[bool, list[float]] = {}
+    for feedback in (True, False):
+        model = torch.nn.parallel.DistributedDataParallel(Linear(MIXED, MIXED_DTYPES))
+        state, hook = qcomm.ddp_comm_hook("int8", error_feedback=feedback)
+        model.register_comm_hook(state, hook)
+        totals = [torch.zeros(math.prod(n), dtype=torch.float64) for n in MIXED]
+        for _ in range(DRIFT_STEPS):
+            model.zero_grad()
+            model(gs).backward()
+            for total, p in zip(totals, model.module.ps):
+                total += p.grad.double().view(-1)
+        drift[feedback] = [
+            ((t - DRIFT_STEPS * e).abs().max() / m).item() for t, e, m in zip(totals, exact, big)
+        ]
+        if feedback:
+            dtypes = {e["layout"][1] for e in state.state_dict()["residuals"].values()}
+            assert dtypes == {"torch.bfloat16", "torch.float32"}, f"buckets of {dtypes}"
+    bounds = []
+    for i, dtype in enumerate(MIXED_DTYPES):
+        # What the residuals hold at the end, over max|g|: the reduce-scatter
+        # codec's error on g + e (e its own residual), then the all-gather
+        # codec's on the average plus its residual and the rounding of the
+        # result into the bucket (half an ulp: delta), which it carries too.
+        # Each step's float32 rounding of the sums is not carried.
+        delta = torch.finfo(dtype).eps / 2 if dtype != torch.float32 else 0.0
+        a = alpha / big[i].item()
+        carried = (rho + a) / (1 - rho) + (rho + a + delta) / (1 - rho - delta)
+        bounds.append(carried + DRIFT_STEPS * 8 * U32 * world)
+    for i, dtype in enumerate(MIXED_DTYPES):
+        assert drift[True][i] <= bounds[i], (
+            f"{dtype} with error feedback: drift {drift[True][i]:.4f} of max|g| after "
+            f"{DRIFT_STEPS} steps, beyond {bounds[i]:.4f} (without: {drift[False][i]:.4f})"
+        )
+    assert drift[False][0] > 10 * bounds[0], (
+        f"without error feedback the bfloat16 drift is only {drift[False][0]:.4f}; the case "
+        f"cannot tell feedback from none"
+    )
+
+
 CASES: dict[str, Callable[[int, int], None]] = {
     "shared_codec_ddp": case_shared_codec_ddp,
     "shared_codec_threads": case_shared_codec_threads,
+    "bf16_feedback": case_bf16_feedback,
 }
 
 

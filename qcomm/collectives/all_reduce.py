@@ -158,6 +158,10 @@ class _Record:
                 checked_decode(self._codec, ctx, wire.reshape(-1), n, into=out)
                 continue
             decoded = checked_decode(self._codec, ctx, wire.reshape(-1), n)[: hi - lo]
+            if out is not None and out.dtype != decoded.dtype:
+                # Rounded as it will be stored (by every rank alike), so that
+                # the residual carries the rounding too.
+                decoded = decoded.to(out.dtype).to(decoded.dtype)
             if sink.residual is not None:
                 # Before the output, which may be where the chunk was read from.
                 # A NaN or an infinity is not carried into later calls.
@@ -448,18 +452,25 @@ class _Call:
         coding = uniform(codec, self.world, buf.dtype)
         padded = coding[rank].padded(self.lengths, rank, buf.device)
         sent = [(p, b) for p in peers for b in self._of(blocks, p)]
+        # What goes out of each block: the block itself, or with residuals,
+        # block + residual, in float32 at least (in bfloat16 the sum would
+        # round away most of the residual, and the loss be carried nowhere).
+        out = {b: self.block(b) for _, b in sent}
         record = None
         if residuals is not None and not identity:
             assert residuals.scatter is not None
             sinks = []
             for _, b in sent:
                 residual = residuals.scatter[self.bounds[b] : self.bounds[b + 1]]
-                self.block(b).add_(residual)
+                if buf.dtype.itemsize < 4:
+                    out[b] = torch.add(out[b], residual)  # promoted to float32
+                else:
+                    out[b].add_(residual)
                 sinks.append(_Sink(self.lengths[b], padded[b], None, residual))
             record = _Record(codec, sinks)
         if not identity:
-            for _, b in sent:
-                _mark_infinities(self.block(b))
+            for x in out.values():
+                _mark_infinities(x)
         # The sum runs in float32 at least: in place, in the blocks this rank
         # keeps (it sends them nowhere), or beside them for a narrower dtype.
         dtype = torch.promote_types(torch.float32, buf.dtype)
@@ -468,7 +479,7 @@ class _Call:
         if dtype != buf.dtype:
             sums = {b: lease((self.lengths[b],), dtype, buf.device) for b in kept}
         senders = [s for s in recv_order(rank, self.world) if s in peers]
-        sends = [([p], Flat(self.block(b), padded[b])) for p, b in sent]
+        sends = [([p], Flat(out[b], padded[b])) for p, b in sent]
         recvs = [(s, Flat(sums[b], padded[b])) for s in senders for b in kept]
         self.call.next_exchange(step.name)
         finish = start_exchange(
@@ -506,15 +517,15 @@ class _Call:
             shard = self.sums.pop(b, mine)
             if divide > 1:
                 shard.div_(divide)
-            if residual is not None and not identity:
-                shard.add_(residual)
             if identity:
                 if shard is not mine:
                     mine.copy_(shard)
                 shard = mine
-            elif shard.dtype != torch.float32:
-                shard = shard.float()
-            if not identity:
+            else:
+                if shard.dtype != torch.float32:
+                    shard = shard.float()
+                if residual is not None:
+                    shard.add_(residual)
                 _mark_infinities(shard)
             shards.append((b, shard))
             sinks.append(_Sink(len(mine), padded[b], mine, residual if not identity else None))
