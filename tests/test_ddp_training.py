@@ -11,15 +11,22 @@
   exact sum by no more than what the residuals hold at the end, bfloat16 as
   float32 (the bfloat16 bucket's residual sums and the rounding of its result
   carried in float32); without feedback it drifts far beyond.
+- Resuming: 8 training steps (int8 with error feedback, SGD with momentum)
+  in one go, against 4 steps, a checkpoint (model, optimizer, hook state) and
+  4 more in fresh processes: the same losses and weights, bit for bit,
+  although the resumed DDP's first bucket holds every parameter and the
+  residuals were saved from its rebuilt buckets.
 
-One spawn per transport (forced with ``QCOMM_TRANSPORT``) runs every case;
-each case is reported as its own test, which also checks that the case's
+One spawn per transport (forced with ``QCOMM_TRANSPORT``) runs every case,
+a second one the resumed steps; each case is reported as its own test, which also checks that the case's
 calls opened the transport it names and no other.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import threading
 import zlib
 from collections.abc import Callable
@@ -28,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import TRANSPORTS, Outcome, check_case, outcomes_per_world_size, transport_env
+from dist_utils import TRANSPORTS, Outcome, check_case, run_outcomes, transport_env
 
 import qcomm
 from qcomm.collectives.all_reduce import Residuals, all_reduce
@@ -246,32 +253,134 @@ def case_bf16_feedback(rank: int, world: int) -> None:
     )
 
 
+RESUME_STEPS = 8
+RESUME_AT = 4
+RESUME_DIR = "QCOMM_TEST_RESUME_DIR"  # where the spawns keep their checkpoints
+
+
+def mlp() -> torch.nn.Module:
+    """A small MLP whose parameters DDP splits into several buckets (of 10 KB)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 8),
+    )
+
+
+def train(model: Any, opt: Any, first: int, last: int) -> list[torch.Tensor]:
+    """Steps ``first`` to ``last - 1`` on this rank's data; their losses."""
+    losses = []
+    for t in range(first, last):
+        gen = torch.Generator().manual_seed(zlib.crc32(f"data:{dist.get_rank()}:{t}".encode()))
+        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def trainer(
+    module: torch.nn.Module, hook_state: Any = None, seen: list[int] | None = None
+) -> tuple[Any, Any, Any]:
+    """DDP of ``module`` with the int8 hook and error feedback, and SGD with
+    momentum; ``seen`` gets the number of parameters of every bucket hooked."""
+    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.01)
+    state, hook = qcomm.ddp_comm_hook("int8", error_feedback=True)
+    if hook_state is not None:
+        state.load_state_dict(hook_state)
+
+    def counting(state, bucket):  # type: ignore[no-untyped-def]
+        # (No annotations: DDP checks them against the real types.)
+        if seen is not None:
+            seen.append(len(bucket.parameters()))
+        return hook(state, bucket)
+
+    model.register_comm_hook(state, counting)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, opt, state
+
+
+def saved(name: str) -> str:
+    return os.path.join(os.environ[RESUME_DIR], f"{name}-{dist.get_rank()}.pt")
+
+
+def case_resume_whole(rank: int, world: int) -> None:
+    # All the steps in one go, and the first part saved as a checkpoint.
+    model, opt, state = trainer(mlp())
+    losses = train(model, opt, 0, RESUME_STEPS)
+    assert len(state.state_dict()["residuals"]) >= 2, "the case wants several buckets"
+    torch.save({"losses": losses, "weights": model.module.state_dict()}, saved("whole"))
+    model, opt, state = trainer(mlp())
+    train(model, opt, 0, RESUME_AT)
+    checkpoint = {"model": model.module.state_dict(), "opt": opt.state_dict()}
+    torch.save({**checkpoint, "hook": state.state_dict()}, saved("checkpoint"))
+
+
+def case_resume_rest(rank: int, world: int) -> None:
+    # In a fresh process: the checkpoint restored, the rest of the steps.
+    whole = torch.load(saved("whole"))
+    checkpoint = torch.load(saved("checkpoint"))
+    module = mlp()
+    module.load_state_dict(checkpoint["model"])
+    seen: list[int] = []
+    model, opt, state = trainer(module, checkpoint["hook"], seen)
+    opt.load_state_dict(checkpoint["opt"])
+    losses = train(model, opt, RESUME_AT, RESUME_AT + 1)
+    # DDP's first step hands every parameter in one bucket; the residuals
+    # were saved from its rebuilt buckets, several.
+    params = len(list(model.parameters()))
+    assert seen == [params], f"first resumed step: buckets of {seen} parameters"
+    assert len(checkpoint["hook"]["residuals"]) > 1, "the case wants several saved buckets"
+    losses += train(model, opt, RESUME_AT + 1, RESUME_STEPS)
+    for t, (a, b) in enumerate(zip(losses, whole["losses"][RESUME_AT:]), RESUME_AT):
+        assert torch.equal(a, b), f"step {t}: loss {a.item()!r}, in one go {b.item()!r}"
+    for name, w in model.module.state_dict().items():
+        assert torch.equal(w, whole["weights"][name]), f"{name} differs from the run in one go"
+    assert state.resets == 0, f"resets {state.resets}"
+
+
 CASES: dict[str, Callable[[int, int], None]] = {
     "shared_codec_ddp": case_shared_codec_ddp,
     "shared_codec_threads": case_shared_codec_threads,
     "bf16_feedback": case_bf16_feedback,
+    "resume_whole": case_resume_whole,
 }
+# In a spawn of their own, after the others.
+LATER: dict[str, Callable[[int, int], None]] = {"resume_rest": case_resume_rest}
 
 
 def run_case(case: str, rank: int, world: int) -> None:
-    CASES[case](rank, world)
+    {**CASES, **LATER}[case](rank, world)
 
 
 @pytest.fixture(scope="module")
-def spawned() -> dict[str, Callable[[int], dict[str, Outcome]]]:
-    """Runs every case once per transport, on first use."""
-    return {
-        transport: outcomes_per_world_size(
-            run_case, list(CASES), env=transport_env(transport), timeout=600.0, pg_timeout=30.0
-        )
-        for transport in TRANSPORTS
-    }
+def spawned(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Callable[[], dict[str, Outcome]]]:
+    """Per transport, on first use: every case in one spawn, then the later
+    cases in another (fresh processes), which read what the first saved."""
+    cache: dict[str, dict[str, Outcome]] = {}
+
+    def outcomes(transport: str) -> dict[str, Outcome]:
+        if transport not in cache:
+            env = {**transport_env(transport), RESUME_DIR: str(tmp_path_factory.mktemp(transport))}
+            kwargs: dict[str, Any] = {"env": env, "timeout": 600.0, "pg_timeout": 30.0}
+            first = run_outcomes(run_case, WORLD, list(CASES), **kwargs)
+            later = run_outcomes(run_case, WORLD, list(LATER), **kwargs)
+            cache[transport] = {**first, **later}
+        return cache[transport]
+
+    return {t: functools.partial(outcomes, t) for t in TRANSPORTS}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *LATER])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_ddp_training(
-    transport: str, case: str, spawned: dict[str, Callable[[int], dict[str, Outcome]]]
+    transport: str, case: str, spawned: dict[str, Callable[[], dict[str, Outcome]]]
 ) -> None:
-    outcome = spawned[transport](WORLD)[case]
-    check_case(outcome, f"{case} on {WORLD} ranks, {transport}", transport)
+    check_case(spawned[transport]()[case], f"{case} on {WORLD} ranks, {transport}", transport)
