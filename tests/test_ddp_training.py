@@ -18,8 +18,9 @@
   residuals were saved from its rebuilt buckets.
 
 One spawn per transport (forced with ``QCOMM_TRANSPORT``) runs every case,
-a second one the resumed steps; each case is reported as its own test, which also checks that the case's
-calls opened the transport it names and no other.
+a second one the resumed steps; each case is reported as its own test, which
+also checks that the case's calls opened the transport it names and no
+other.
 """
 
 from __future__ import annotations
@@ -364,16 +365,22 @@ def spawned(
 ) -> dict[str, Callable[[], dict[str, Outcome]]]:
     """Per transport, on first use: every case in one spawn, then the later
     cases in another (fresh processes), which read what the first saved."""
-    cache: dict[str, dict[str, Outcome]] = {}
+    cache: dict[str, dict[str, Outcome] | BaseException] = {}
 
     def outcomes(transport: str) -> dict[str, Outcome]:
         if transport not in cache:
             env = {**transport_env(transport), RESUME_DIR: str(tmp_path_factory.mktemp(transport))}
             kwargs: dict[str, Any] = {"env": env, "timeout": 600.0, "pg_timeout": 30.0}
-            first = run_outcomes(run_case, WORLD, list(CASES), **kwargs)
-            later = run_outcomes(run_case, WORLD, list(LATER), **kwargs)
-            cache[transport] = {**first, **later}
-        return cache[transport]
+            try:
+                first = run_outcomes(run_case, WORLD, list(CASES), **kwargs)
+                later = run_outcomes(run_case, WORLD, list(LATER), **kwargs)
+                cache[transport] = {**first, **later}
+            except BaseException as err:  # noqa: BLE001 - every test of the spawn reports it
+                cache[transport] = err
+        result = cache[transport]
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     return {t: functools.partial(outcomes, t) for t in TRANSPORTS}
 
