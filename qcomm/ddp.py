@@ -84,6 +84,8 @@ class _Entry:
         self.names = names
         self.residuals = residuals
         self.offsets = list(itertools.accumulate((math.prod(s) for s in layout[4]), initial=0))
+        #: whether it came from load_state_dict (see DDPCommHookState._regroup)
+        self.restored = False
 
     def take(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Parameter ``i``'s scatter and gather residuals (``None``: zero), taken out of here."""
@@ -215,29 +217,33 @@ class DDPCommHookState:
 
     def _regroup(self, bucket: dist.GradBucket) -> list[tuple[Residuals, list[int]]] | None:
         """
-        Where the bucket holds restored buckets whole (DDP's first bucket of a
-        resumed run holds every parameter): each one's residuals and the
-        bucket's parameters (by position) it takes, in its order, for the hook
-        to reduce them as they were saved; ``None`` where it does not.
+        Where the bucket holds restored buckets whole (DDP's first buckets of
+        a resumed run hold every parameter, the residuals were saved from its
+        rebuilt ones): each one's residuals and the bucket's parameters (by
+        position) it takes, in its order, for the hook to reduce them as they
+        were saved; ``None`` where it does not.
         """
         params = list(bucket.parameters())
         names = [self._number(p) for p in params]
         offsets = list(itertools.accumulate((p.numel() for p in params), initial=0))
-        if offsets[-1] != bucket.buffer().numel() or any(n in self._held for n in names):
+        if offsets[-1] != bucket.buffer().numel():
             return None
         entries: list[_Entry] = []
         for n in names:
-            found = self._held.get(-1 - n)
-            if found is None:
+            # Restored residuals, bound to it already or under its number.
+            found = self._held.get(n) or self._held.get(-1 - n)
+            if found is None or not found[0].restored:
                 return None
             if all(found[0] is not e for e in entries):
                 entries.append(found[0])
+        if len(entries) == 1 and entries[0].names == names:
+            return None  # the bucket's own: reduced as it is
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         at = {n: j for j, n in enumerate(names)}
         parts = []
         for entry in entries:
-            taken = [at.get(-1 - n) if n is not None and n < 0 else None for n in entry.names]
+            taken = [None if n is None else at.get(n if n >= 0 else -1 - n) for n in entry.names]
             if not taken or any(j is None for j in taken):
                 return None
             js = cast(list[int], taken)
@@ -501,7 +507,9 @@ class DDPCommHookState:
         elif gather.numel() != layout[6] - layout[5]:
             raise ValueError(f"{where}['gather']: expected {layout[6] - layout[5]} elements")
         saved = [None if n is None else -1 - n for n in names]
-        return _Entry(index, layout, saved, Residuals(scatter, gather))
+        loaded = _Entry(index, layout, saved, Residuals(scatter, gather))
+        loaded.restored = True
+        return loaded
 
     def __getstate__(self) -> dict[str, Any]:
         reduce_spec, gather_spec = self._specs

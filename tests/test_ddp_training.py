@@ -15,7 +15,8 @@
   in one go, against 4 steps, a checkpoint (model, optimizer, hook state) and
   4 more in fresh processes: the same losses and weights, bit for bit,
   although the resumed DDP's first bucket holds every parameter and the
-  residuals were saved from its rebuilt buckets.
+  residuals were saved from its rebuilt buckets; with DDP's default options
+  and with a static graph (whose first two steps hand over one bucket).
 
 One spawn per transport (forced with ``QCOMM_TRANSPORT``) runs every case,
 a second one the resumed steps; each case is reported as its own test, which
@@ -257,6 +258,9 @@ def case_bf16_feedback(rank: int, world: int) -> None:
 RESUME_STEPS = 8
 RESUME_AT = 4
 RESUME_DIR = "QCOMM_TEST_RESUME_DIR"  # where the spawns keep their checkpoints
+# DDP's own options: by default its first step hands over one bucket; with a
+# static graph its first two do.
+DDP_OPTIONS: dict[str, dict[str, Any]] = {"default": {}, "static": {"static_graph": True}}
 
 
 def mlp() -> torch.nn.Module:
@@ -286,11 +290,15 @@ def train(model: Any, opt: Any, first: int, last: int) -> list[torch.Tensor]:
 
 
 def trainer(
-    module: torch.nn.Module, hook_state: Any = None, seen: list[int] | None = None
+    module: torch.nn.Module,
+    options: dict[str, Any],
+    hook_state: Any = None,
+    seen: list[int] | None = None,
 ) -> tuple[Any, Any, Any]:
-    """DDP of ``module`` with the int8 hook and error feedback, and SGD with
-    momentum; ``seen`` gets the number of parameters of every bucket hooked."""
-    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.01)
+    """DDP of ``module`` (with ``options``) with the int8 hook and error feedback,
+    and SGD with momentum; ``seen`` gets the number of parameters of every
+    bucket hooked."""
+    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.01, **options)
     state, hook = qcomm.ddp_comm_hook("int8", error_feedback=True)
     if hook_state is not None:
         state.load_state_dict(hook_state)
@@ -306,43 +314,44 @@ def trainer(
     return model, opt, state
 
 
-def saved(name: str) -> str:
-    return os.path.join(os.environ[RESUME_DIR], f"{name}-{dist.get_rank()}.pt")
+def saved(name: str, how: str) -> str:
+    return os.path.join(os.environ[RESUME_DIR], f"{name}-{how}-{dist.get_rank()}.pt")
 
 
 def case_resume_whole(rank: int, world: int) -> None:
     # All the steps in one go, and the first part saved as a checkpoint.
-    model, opt, state = trainer(mlp())
-    losses = train(model, opt, 0, RESUME_STEPS)
-    assert len(state.state_dict()["residuals"]) >= 2, "the case wants several buckets"
-    torch.save({"losses": losses, "weights": model.module.state_dict()}, saved("whole"))
-    model, opt, state = trainer(mlp())
-    train(model, opt, 0, RESUME_AT)
-    checkpoint = {"model": model.module.state_dict(), "opt": opt.state_dict()}
-    torch.save({**checkpoint, "hook": state.state_dict()}, saved("checkpoint"))
+    for how, options in DDP_OPTIONS.items():
+        model, opt, state = trainer(mlp(), options)
+        losses = train(model, opt, 0, RESUME_STEPS)
+        assert len(state.state_dict()["residuals"]) >= 2, "the case wants several buckets"
+        torch.save({"losses": losses, "weights": model.module.state_dict()}, saved("whole", how))
+        model, opt, state = trainer(mlp(), options)
+        train(model, opt, 0, RESUME_AT)
+        checkpoint = {"model": model.module.state_dict(), "opt": opt.state_dict()}
+        torch.save({**checkpoint, "hook": state.state_dict()}, saved("checkpoint", how))
 
 
 def case_resume_rest(rank: int, world: int) -> None:
     # In a fresh process: the checkpoint restored, the rest of the steps.
-    whole = torch.load(saved("whole"))
-    checkpoint = torch.load(saved("checkpoint"))
-    module = mlp()
-    module.load_state_dict(checkpoint["model"])
-    seen: list[int] = []
-    model, opt, state = trainer(module, checkpoint["hook"], seen)
-    opt.load_state_dict(checkpoint["opt"])
-    losses = train(model, opt, RESUME_AT, RESUME_AT + 1)
-    # DDP's first step hands every parameter in one bucket; the residuals
-    # were saved from its rebuilt buckets, several.
-    params = len(list(model.parameters()))
-    assert seen == [params], f"first resumed step: buckets of {seen} parameters"
-    assert len(checkpoint["hook"]["residuals"]) > 1, "the case wants several saved buckets"
-    losses += train(model, opt, RESUME_AT + 1, RESUME_STEPS)
-    for t, (a, b) in enumerate(zip(losses, whole["losses"][RESUME_AT:]), RESUME_AT):
-        assert torch.equal(a, b), f"step {t}: loss {a.item()!r}, in one go {b.item()!r}"
-    for name, w in model.module.state_dict().items():
-        assert torch.equal(w, whole["weights"][name]), f"{name} differs from the run in one go"
-    assert state.resets == 0, f"resets {state.resets}"
+    for how, options in DDP_OPTIONS.items():
+        whole = torch.load(saved("whole", how))
+        checkpoint = torch.load(saved("checkpoint", how))
+        module = mlp()
+        module.load_state_dict(checkpoint["model"])
+        seen: list[int] = []
+        model, opt, state = trainer(module, options, checkpoint["hook"], seen)
+        opt.load_state_dict(checkpoint["opt"])
+        losses = train(model, opt, RESUME_AT, RESUME_STEPS)
+        # DDP's first step hands every parameter in one bucket; the residuals
+        # were saved from its rebuilt buckets, several.
+        params = len(list(model.parameters()))
+        assert seen[0] == params, f"{how}: first resumed step: buckets of {seen} parameters"
+        assert len(checkpoint["hook"]["residuals"]) > 1, "the case wants several saved buckets"
+        for t, (a, b) in enumerate(zip(losses, whole["losses"][RESUME_AT:]), RESUME_AT):
+            assert torch.equal(a, b), f"{how}: step {t}: loss {a.item()!r}, in one go {b.item()!r}"
+        for name, w in model.module.state_dict().items():
+            assert torch.equal(w, whole["weights"][name]), f"{how}: {name} differs"
+        assert state.resets == 0, f"{how}: resets {state.resets}"
 
 
 CASES: dict[str, Callable[[int, int], None]] = {
