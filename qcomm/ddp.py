@@ -84,6 +84,8 @@ class _Entry:
         self.names = names
         self.residuals = residuals
         self.offsets = list(itertools.accumulate((math.prod(s) for s in layout[4]), initial=0))
+        #: whether it came from load_state_dict (see DDPCommHookState._regroup)
+        self.restored = False
 
     def take(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Parameter ``i``'s scatter and gather residuals (``None``: zero), taken out of here."""
@@ -212,6 +214,50 @@ class DDPCommHookState:
         if held is not None and held[0].names == names and held[0].layout == key:
             return held[0].residuals
         return self._carry(bucket.index(), key, names, buffer.device)
+
+    def _regroup(self, bucket: dist.GradBucket) -> list[tuple[Residuals, list[int]]] | None:
+        """
+        Where the bucket holds restored buckets whole (DDP's first buckets of
+        a resumed run hold every parameter, the residuals were saved from its
+        rebuilt ones): each one's residuals and the bucket's parameters (by
+        position) it takes, in its order, for the hook to reduce them as they
+        were saved; ``None`` where it does not.
+        """
+        params = list(bucket.parameters())
+        names = [self._number(p) for p in params]
+        offsets = list(itertools.accumulate((p.numel() for p in params), initial=0))
+        if offsets[-1] != bucket.buffer().numel():
+            return None
+        entries: list[_Entry] = []
+        for n in names:
+            # Restored residuals, bound to it already or under its number.
+            found = self._held.get(n) or self._held.get(-1 - n)
+            if found is None or not found[0].restored:
+                return None
+            if all(found[0] is not e for e in entries):
+                entries.append(found[0])
+        if len(entries) == 1 and entries[0].names == names:
+            return None  # the bucket's own: reduced as it is
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        at = {n: j for j, n in enumerate(names)}
+        parts = []
+        for entry in entries:
+            taken = [None if n is None else at.get(n if n >= 0 else -1 - n) for n in entry.names]
+            if not taken or any(j is None for j in taken):
+                return None
+            js = cast(list[int], taken)
+            shapes = tuple(tuple(params[j].shape) for j in js)
+            numel = sum(params[j].numel() for j in js)
+            dtype = str(bucket.buffer().dtype)
+            if entry.layout != (numel, dtype, world, rank, shapes, *self._own(numel, world, rank)):
+                return None
+            parts.append((entry, js))
+        if sum(len(js) for _, js in parts) != len(params):
+            return None
+        for entry, js in parts:
+            self._rename(entry, [names[j] for j in js])
+        return [(entry.residuals, js) for entry, js in parts]
 
     def _own(self, numel: int, world: int, rank: int) -> tuple[int, int]:
         """Where this rank's block of a bucket starts and stops, as :func:`all_reduce` cuts it."""
@@ -461,7 +507,9 @@ class DDPCommHookState:
         elif gather.numel() != layout[6] - layout[5]:
             raise ValueError(f"{where}['gather']: expected {layout[6] - layout[5]} elements")
         saved = [None if n is None else -1 - n for n in names]
-        return _Entry(index, layout, saved, Residuals(scatter, gather))
+        loaded = _Entry(index, layout, saved, Residuals(scatter, gather))
+        loaded.restored = True
+        return loaded
 
     def __getstate__(self) -> dict[str, Any]:
         reduce_spec, gather_spec = self._specs
@@ -530,12 +578,17 @@ def all_reduce_hook(
             f"got {type(state).__name__}"
         )
     buffer = bucket.buffer()
-    residuals = state.residuals(bucket) if state.error_feedback else None
+    # Restored buckets that this one holds whole are reduced each as it was
+    # saved, so that a resumed run goes on bit for bit (see docs/ddp.rst).
+    parts = state._regroup(bucket) if state.error_feedback else None
+    residuals = state.residuals(bucket) if state.error_feedback and parts is None else None
+    sizes = [p.numel() for p in bucket.parameters()] if parts is not None else []
+    offsets = list(itertools.accumulate(sizes, initial=0))
 
-    def reduce(group: dist.ProcessGroup) -> torch.Tensor:
+    def average(x: torch.Tensor, group: dist.ProcessGroup, residuals: Residuals | None) -> None:
         by_host = state.by_host
         all_reduce(
-            buffer,
+            x,
             group=group,
             reduce_codec=state.reduce_codec if by_host is None else None,
             gather_codec=state.gather_codec if by_host is None else None,
@@ -544,6 +597,19 @@ def all_reduce_hook(
             residuals=residuals,
             chunk_bytes=state.chunk_bytes,
         )
+
+    def reduce(group: dist.ProcessGroup) -> torch.Tensor:
+        if parts is None:
+            average(buffer, group, residuals)
+            return buffer
+        for part, js in parts:
+            pieces = [buffer[offsets[j] : offsets[j + 1]] for j in js]
+            staged = torch.cat(pieces)
+            average(staged, group, part)
+            at = 0
+            for piece in pieces:
+                piece.copy_(staged[at : at + piece.numel()])
+                at += piece.numel()
         return buffer
 
     group = state.process_group or dist.distributed_c10d._get_default_group()

@@ -172,6 +172,7 @@ def start_exchange(
     add: bool = False,
     local: Callable[[int, int], None] | None = None,
     background: bool = False,
+    encoded: Callable[[torch.Tensor, torch.Tensor, Any], None] | None = None,
 ) -> Callable[[], None]:
     """
     Sends every region of ``sends`` (to its peers, which share one coding) and
@@ -185,8 +186,10 @@ def start_exchange(
     and ``local`` (whole, once every message is posted) read them before
     this returns, and where the transport
     moves its messages on its own, the receiving and decoding start now on
-    the background thread (``_background``). A disagreement or failure
-    raises :class:`~qcomm.CodecError` on every rank.
+    the background thread (``_background``). ``encoded(x, wire, ctx)``, where
+    given, hears of every chunk this call encodes, in sending order, for the
+    caller's own record of it. A disagreement or failure raises
+    :class:`~qcomm.CodecError` on every rank.
     """
     transport, name = call.transport, call.name
 
@@ -229,7 +232,11 @@ def start_exchange(
         if coding.identity:
             return chunk
         codec = coding.codec
-        return checked_encode(codec, coding.ctx, encodable(chunk, codec), size, coding.wire_dtype)
+        x = encodable(chunk, codec)
+        wire = checked_encode(codec, coding.ctx, x, size, coding.wire_dtype)
+        if encoded is not None:
+            encoded(x, wire, coding.ctx)
+        return wire
 
     # A call waited for later leaves its caller free to change its tensors
     # once it returns, but the point-to-point transport reads a wire while

@@ -8,8 +8,6 @@ feedback.
 
 from __future__ import annotations
 
-import collections
-import copy
 import dataclasses
 import math
 from typing import Any
@@ -120,32 +118,21 @@ class _Sink:
         self.residual = residual
 
 
-class _Tap:
-    """The codec, keeping each chunk it encodes for :meth:`drain` to decode into the sinks."""
+class _Record:
+    """
+    What one exchange of one call encodes (told by the exchange, chunk by
+    chunk), for :meth:`drain` to decode into the sinks. Each call keeps its
+    own: a codec object may serve calls on other threads and groups at once.
+    """
 
-    def __init__(self, codec: Any) -> None:
+    def __init__(self, codec: Any, sinks: list[_Sink]) -> None:
         self._codec = codec
-        self._sinks: list[_Sink] = []
+        #: where the chunks go, in sending order
+        self._sinks = sinks
         self._encoded: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_codec"], name)
-
-    def __repr__(self) -> str:
-        return repr(self._codec)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Tap:
-        return _Tap(copy.deepcopy(self._codec, memo))
-
-    def expect(self, sinks: list[_Sink]) -> None:
-        """Where the chunks of the next exchange go, in sending order."""
-        self._sinks = sinks
-        self._encoded.clear()
-
-    def encode(self, input_tensor: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
-        wire: torch.Tensor = self._codec.encode(input_tensor, ctx)
-        self._encoded.append((input_tensor, wire, ctx))
-        return wire
+    def keep(self, x: torch.Tensor, wire: torch.Tensor, ctx: Any) -> None:
+        self._encoded.append((x, wire, ctx))
 
     def _into(self, out: torch.Tensor) -> bool:
         return out.dtype == torch.float32 and getattr(self._codec, "decode_into", None) is not None
@@ -153,7 +140,7 @@ class _Tap:
     def drain(self) -> None:
         """Decodes every chunk encoded, in order, into the sinks (once the sends are out)."""
         encoded, self._encoded = self._encoded, []
-        sinks, self._sinks = self._sinks, []
+        sinks = self._sinks
         index, offset = 0, 0
         for x, wire, ctx in encoded:
             n = x.numel()
@@ -171,6 +158,10 @@ class _Tap:
                 checked_decode(self._codec, ctx, wire.reshape(-1), n, into=out)
                 continue
             decoded = checked_decode(self._codec, ctx, wire.reshape(-1), n)[: hi - lo]
+            if out is not None and out.dtype != decoded.dtype:
+                # Rounded as it will be stored (by every rank alike), so that
+                # the residual carries the rounding too.
+                decoded = decoded.to(out.dtype).to(decoded.dtype)
             if sink.residual is not None:
                 # Before the output, which may be where the chunk was read from.
                 # A NaN or an infinity is not carried into later calls.
@@ -182,22 +173,6 @@ class _Tap:
         left = sum(s.padded for s in sinks[index + 1 :])
         if left or (sinks and offset != sinks[index].padded):
             raise RuntimeError("qcomm: the exchange encoded fewer chunks than it declared")
-
-
-# One tap per codec object, kept across calls: the exchange fingerprints the
-# codec it is given, and does so once per object.
-_taps: collections.OrderedDict[int, tuple[Any, _Tap]] = collections.OrderedDict()
-_TAPS = 16
-
-
-def _tap(codec: Any) -> _Tap:
-    found = _taps.get(id(codec))
-    if found is None or found[0] is not codec:
-        found = _taps[id(codec)] = (codec, _Tap(codec))
-        while len(_taps) > _TAPS:
-            _taps.popitem(last=False)
-    _taps.move_to_end(id(codec))
-    return found[1]
 
 
 def _mark_infinities(x: torch.Tensor) -> None:
@@ -474,21 +449,28 @@ class _Call:
         codec, peers, blocks = step.codec, step.peers, step.blocks
         residuals = self.residuals if step.feedback else None
         identity = is_identity(codec, buf.dtype)
-        tap = _tap(codec) if residuals is not None and not identity else None
-        coding = uniform(tap or codec, self.world, buf.dtype)
+        coding = uniform(codec, self.world, buf.dtype)
         padded = coding[rank].padded(self.lengths, rank, buf.device)
         sent = [(p, b) for p in peers for b in self._of(blocks, p)]
-        if tap is not None:
-            assert residuals is not None and residuals.scatter is not None
+        # What goes out of each block: the block itself, or with residuals,
+        # block + residual, in float32 at least (in bfloat16 the sum would
+        # round away most of the residual, and the loss be carried nowhere).
+        out = {b: self.block(b) for _, b in sent}
+        record = None
+        if residuals is not None and not identity:
+            assert residuals.scatter is not None
             sinks = []
             for _, b in sent:
                 residual = residuals.scatter[self.bounds[b] : self.bounds[b + 1]]
-                self.block(b).add_(residual)
+                if buf.dtype.itemsize < 4:
+                    out[b] = torch.add(out[b], residual)  # promoted to float32
+                else:
+                    out[b].add_(residual)
                 sinks.append(_Sink(self.lengths[b], padded[b], None, residual))
-            tap.expect(sinks)
+            record = _Record(codec, sinks)
         if not identity:
-            for _, b in sent:
-                _mark_infinities(self.block(b))
+            for x in out.values():
+                _mark_infinities(x)
         # The sum runs in float32 at least: in place, in the blocks this rank
         # keeps (it sends them nowhere), or beside them for a narrower dtype.
         dtype = torch.promote_types(torch.float32, buf.dtype)
@@ -497,14 +479,21 @@ class _Call:
         if dtype != buf.dtype:
             sums = {b: lease((self.lengths[b],), dtype, buf.device) for b in kept}
         senders = [s for s in recv_order(rank, self.world) if s in peers]
-        sends = [([p], Flat(self.block(b), padded[b])) for p, b in sent]
+        sends = [([p], Flat(out[b], padded[b])) for p, b in sent]
         recvs = [(s, Flat(sums[b], padded[b])) for s in senders for b in kept]
         self.call.next_exchange(step.name)
         finish = start_exchange(
-            sends, recvs, coding, self.call, buf.dtype, self.chunk_bytes, add=True
+            sends,
+            recvs,
+            coding,
+            self.call,
+            buf.dtype,
+            self.chunk_bytes,
+            add=True,
+            encoded=record.keep if record is not None else None,
         )
-        if tap is not None:
-            tap.drain()
+        if record is not None:
+            record.drain()
         for b, total in sums.items():
             if total is not self.block(b):
                 total.copy_(self.block(b))
@@ -516,11 +505,9 @@ class _Call:
         rank, buf = self.rank, self.buffer
         codec, peers, blocks = step.codec, step.peers, step.blocks
         identity = is_identity(codec, buf.dtype)
-        # Every rank taps (the exchange checks that all use one codec): the
-        # owner takes the values its peers decode, once its chunks (perhaps
-        # read from its blocks) are encoded and sent.
-        tap = None if identity else _tap(codec)
-        coding = uniform(tap or codec, self.world, buf.dtype)
+        # The owner takes the values its peers decode, once its chunks
+        # (perhaps read from its blocks) are encoded and sent.
+        coding = uniform(codec, self.world, buf.dtype)
         padded = coding[rank].padded(self.lengths, rank, buf.device)
         residual = self.residuals.gather if self.residuals is not None and step.feedback else None
         shards = []
@@ -530,25 +517,32 @@ class _Call:
             shard = self.sums.pop(b, mine)
             if divide > 1:
                 shard.div_(divide)
-            if residual is not None and not identity:
-                shard.add_(residual)
             if identity:
                 if shard is not mine:
                     mine.copy_(shard)
                 shard = mine
-            elif shard.dtype != torch.float32:
-                shard = shard.float()
-            if not identity:
+            else:
+                if shard.dtype != torch.float32:
+                    shard = shard.float()
+                if residual is not None:
+                    shard.add_(residual)
                 _mark_infinities(shard)
             shards.append((b, shard))
             sinks.append(_Sink(len(mine), padded[b], mine, residual if not identity else None))
-        if tap is not None:
-            tap.expect(sinks)
+        record = None if identity else _Record(codec, sinks)
         sends = [(peers, Flat(shard, padded[b])) for b, shard in shards] if peers else []
         senders = [s for s in recv_order(rank, self.world) if s in peers]
         recvs = [(s, Flat(self.block(b), padded[b])) for s in senders for b in self._of(blocks, s)]
         self.call.next_exchange(step.name)
-        finish = start_exchange(sends, recvs, coding, self.call, buf.dtype, self.chunk_bytes)
-        if tap is not None:
-            tap.drain()
+        finish = start_exchange(
+            sends,
+            recvs,
+            coding,
+            self.call,
+            buf.dtype,
+            self.chunk_bytes,
+            encoded=record.keep if record is not None else None,
+        )
+        if record is not None:
+            record.drain()
         finish()
