@@ -171,6 +171,7 @@ def start_exchange(
     add: bool = False,
     local: Callable[[int, int], None] | None = None,
     background: bool = False,
+    before: Callable[[int | None], None] | None = None,
 ) -> Callable[[], None]:
     """
     Sends every region of ``sends`` (to its peers, which share one coding) and
@@ -181,8 +182,11 @@ def start_exchange(
     it waits for the ``i``-th message, so that the work fills the waits
     instead of delaying the first send. ``background``: a call waited for
     later; where the transport moves its messages on its own, the receiving
-    and decoding start now on the background thread (``_background``). A
-    disagreement or failure raises :class:`~qcomm.CodecError` on every rank.
+    and decoding start now on the background thread (``_background``).
+    ``before(peer)``, where given, runs before the first message of each
+    peer is waited for (in the order of ``recvs``), and ``before(None)``
+    after the last. A disagreement or failure raises
+    :class:`~qcomm.CodecError` on every rank.
     """
     transport, name = call.transport, call.name
 
@@ -324,6 +328,8 @@ def start_exchange(
             for n, (peer, handle, region, start, stop, last_size) in enumerate(pending):
                 if local is not None:
                     local(n, parts)
+                if before is not None and (n == 0 or pending[n - 1][0] != peer):
+                    before(peer)
                 wire = transport.received(handle)
                 if last_size is not None:
                     statuses[peer] = transport.trailer_of(handle, last_size)
@@ -341,6 +347,8 @@ def start_exchange(
                     raise
             if local is not None and not pending:
                 local(0, 1)
+            if before is not None:
+                before(None)
             if why := status_problems():
                 raise CodecError(why)
         except BaseException:
