@@ -209,11 +209,24 @@ def _make_awaitable_class() -> type:
     return OnQcomm
 
 
+# Whether qcomm codecs take qcomm's exchange: ENV read once per install, at
+# the first call with qcomm codecs. Read on every call, a variable changed
+# between calls (or between a forward and its backward) could send the
+# ranks through different doors, whose messages never meet: they would wait
+# for each other until the timeout. uninstall() is the way back to TorchRec's.
+_door: bool | None = None
+
+
 def _ours(codecs: Any, group: Any) -> bool:
     """Whether this call goes to qcomm's exchange."""
+    global _door
     from qcomm.types import QuantizedCommCodecs
 
-    if not isinstance(codecs, QuantizedCommCodecs) or not enabled():
+    if not isinstance(codecs, QuantizedCommCodecs):
+        return False
+    if _door is None:
+        _door = enabled()
+    if not _door:
         return False
     comm_ops = sys.modules[_COMM_OPS]
     if comm_ops.get_use_sync_collectives() or torch.compiler.is_compiling():
@@ -222,6 +235,9 @@ def _ours(codecs: Any, group: Any) -> bool:
 
 
 def _replacement(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    global _door
+    # A new install reads ENV again, at its first call.
+    _door = None
     signature = inspect.signature(original)
     run = _RUNS[name]
 

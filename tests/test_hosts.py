@@ -20,7 +20,6 @@ from dist_utils import TRANSPORTS, run_ranks, transport_env
 import qcomm
 from qcomm import HostCodecs, QuantizedCommCodecs, load_codec
 from qcomm.collectives import _call, _hosts, _transport
-from qcomm.collectives._exchange import recv_order
 from qcomm.collectives.all_reduce import Residuals, all_reduce, granule, layout
 from qcomm.registry import load_pair
 from qcomm.specs import parse_host_spec
@@ -125,12 +124,14 @@ def _reduce_scatter(rank: int) -> dict[str, int]:
     x = _data(rank, rows * WORLD, 5)
     grad = _data(300 + rank, rows, 5)
     out, grad_input = _run(lambda t: qcomm.reduce_scatter_pooled(t, codecs=policy), x, grad)
-    # The exchange seeds the sum with the own block and adds the peers' in
-    # the order their data arrives.
-    want = _data(rank, rows * WORLD, 5)[rank * rows : (rank + 1) * rows].clone()
-    for s in recv_order(rank, WORLD):
+    # The exchange adds the blocks in rank order, the own one in its place.
+    parts = []
+    for s in range(WORLD):
         block = _data(s, rows * WORLD, 5)[rank * rows : (rank + 1) * rows]
-        want += block if _same_host(rank, s) else block.half().float()
+        parts.append(block if _same_host(rank, s) else block.half().float())
+    want = parts[0].clone()
+    for part in parts[1:]:
+        want += part
     assert torch.equal(out, want), "the sum is not the host's exact blocks plus fp16's others"
     # Backward: every rank's gradient block, from the host as it is, else as bf16 makes it.
     for s in range(WORLD):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import qcomm
+from qcomm import torchrec_exchange
 from qcomm.benchmark.agreement import agreed, agreed_here
 from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.meta import load, run_meta
@@ -77,7 +78,7 @@ _SEQ = CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value
 # what TorchRec itself falls back to for formats it cannot reduce-scatter.
 _TORCHREC_RS_FALLBACK = ("fp16", "bf16")
 # What keeps qcomm's codecs on TorchRec's own transport in TorchRec.
-_TRANSPORT_ENV = "QCOMM_TORCHREC_COLLECTIVES"
+_TRANSPORT_ENV = torchrec_exchange.ENV
 # Links up to this rate get the advice rule's codecs (see advice_pick).
 _ADVICE_MAX_GBPS = 10.0
 
@@ -99,8 +100,9 @@ class TrainSeries:
         dense (str | None): the codec of qcomm's DDP hook on the dense part
             (with error feedback), ``None`` for DDP's own all-reduce.
         torchrec_transport (bool): the registry's codecs travel on TorchRec's
-            own transport, not on qcomm's exchange
-            (``QCOMM_TORCHREC_COLLECTIVES=torchrec`` during the series' steps).
+            own transport, not on qcomm's exchange (TorchRec's own functions
+            put back, :func:`~qcomm.torchrec_exchange.uninstall`, during the
+            series' steps).
         overlap (bool): qcomm's DDP hook returns its future at once and the
             backward pass goes on; ``False``: the hook waits for it first.
     """
@@ -532,19 +534,16 @@ def _build(session: Session, config: BenchConfig, run: _Run, refused: str | None
 
 @contextlib.contextmanager
 def _transport(series: TrainSeries) -> Iterator[None]:
-    # qcomm reads the variable at every call TorchRec makes.
-    if not series.torchrec_transport:
+    # qcomm reads QCOMM_TORCHREC_COLLECTIVES once per install, at its first
+    # call: TorchRec's own functions go back in place for the series' steps.
+    if not series.torchrec_transport or not torchrec_exchange.installed():
         yield
         return
-    before = os.environ.get(_TRANSPORT_ENV)
-    os.environ[_TRANSPORT_ENV] = "torchrec"
+    torchrec_exchange.uninstall()
     try:
         yield
     finally:
-        if before is None:
-            del os.environ[_TRANSPORT_ENV]
-        else:
-            os.environ[_TRANSPORT_ENV] = before
+        torchrec_exchange.install()
 
 
 #: one training step of a run on a batch: forward, backward, optimizer; the loss

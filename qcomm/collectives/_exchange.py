@@ -173,6 +173,7 @@ def start_exchange(
     local: Callable[[int, int], None] | None = None,
     background: bool = False,
     encoded: Callable[[torch.Tensor, torch.Tensor, Any], None] | None = None,
+    before: Callable[[int | None], None] | None = None,
 ) -> Callable[[], None]:
     """
     Sends every region of ``sends`` (to its peers, which share one coding) and
@@ -188,7 +189,9 @@ def start_exchange(
     moves its messages on its own, the receiving and decoding start now on
     the background thread (``_background``). ``encoded(x, wire, ctx)``, where
     given, hears of every chunk this call encodes, in sending order, for the
-    caller's own record of it. A disagreement or failure raises
+    caller's own record of it. ``before(peer)``, where given, runs before the
+    first message of each peer is waited for (in the order of ``recvs``), and
+    ``before(None)`` after the last. A disagreement or failure raises
     :class:`~qcomm.CodecError` on every rank.
     """
     transport, name = call.transport, call.name
@@ -368,6 +371,8 @@ def start_exchange(
             for n, (peer, handle, region, start, stop, last_size) in enumerate(pending):
                 if local is not None:
                     local(n, parts)
+                if before is not None and (n == 0 or pending[n - 1][0] != peer):
+                    before(peer)
                 wire = transport.received(handle)
                 if last_size is not None:
                     statuses[peer] = transport.trailer_of(handle, last_size)
@@ -385,6 +390,8 @@ def start_exchange(
                     raise
             if local is not None and not pending:
                 local(0, 1)
+            if before is not None:
+                before(None)
             if why := status_problems():
                 raise CodecError(why)
         except BaseException:

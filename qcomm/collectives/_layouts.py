@@ -59,16 +59,45 @@ def sum_blocks(
     padded = codings.padded(lengths, rank, x.device)
     flat = x.reshape(-1)
     o = offsets(lengths)
-    # The sum runs in float32 at least, in this rank's buffer, seeded with
-    # its own block; the peers' blocks are added in a fixed order.
+    mine = flat[o[rank] : o[rank + 1]]
+    # The sum runs in float32 at least, in this rank's buffer, over the
+    # blocks in rank order, this rank's own in its place: every rank sums
+    # x_0 + x_1 + ... + x_{W-1} in that order, the float sum a reference
+    # computed from all ranks' data gives. An order that starts with the own
+    # block differs from it in the last bits from 3 ranks on, on some ranks
+    # only.
     acc = lease(shape, torch.promote_types(torch.float32, dtype), x.device)
     sends = [([r], Flat(flat[o[r] : o[r + 1]], padded[r][r])) for r in send_order(rank, world)]
-    recvs = [(s, Flat(acc.view(-1), padded[s][rank])) for s in recv_order(rank, world)]
+    peers = [s for s in range(world) if s != rank]
+    recvs = [(s, Flat(acc.view(-1), padded[s][rank])) for s in peers]
+    started = added = False
+    # A call waited for later has read its input when it returns: its own
+    # block, added in its place later, is kept aside before then.
+    own, keep = mine, None
+    if background:
+        own = mine if rank == 0 else lease((mine.numel(),), dtype, x.device)
 
-    def seed(part: int, parts: int) -> None:
-        # The own block seeds the sum before the first peer's is added.
-        if part == 0:
-            acc.view(-1).copy_(flat[o[rank] : o[rank + 1]])
+        def keep(part: int, parts: int) -> None:
+            nonlocal started, added
+            if part == 0 and rank == 0:  # the sum starts with it
+                acc.view(-1).copy_(mine)
+                started = added = True
+            elif part == 0:
+                own.copy_(mine)
+
+    def before(peer: int | None) -> None:
+        # Runs before each peer's first message, in rank order, and at the end.
+        nonlocal started, added
+        if not started:
+            started = True
+            if rank == 0:
+                acc.view(-1).copy_(own)
+                added = True
+            else:
+                acc.zero_()
+        if not added and (peer is None or peer > rank):
+            acc.view(-1).add_(own)
+            added = True
 
     finish = start_exchange(
         sends,
@@ -78,8 +107,9 @@ def sum_blocks(
         dtype,
         chunk_bytes,
         add=True,
-        local=seed,
+        local=keep,
         background=background,
+        before=before,
     )
 
     def done() -> torch.Tensor:

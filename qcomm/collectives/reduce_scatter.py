@@ -52,10 +52,12 @@ def reduce_scatter_pooled(
         o_r = \sum_{j < r} s_j
 
     Every block travels encoded and is summed after decoding, in float32 (at
-    least) and in a fixed order; a rank's own block is not encoded. Each
-    block is padded at its end to what the codec's
-    :meth:`~qcomm.QuantizedCommCodec.padded_size` asks for (the block seen as
-    one row). The gradient goes back through an all-gather.
+    least), the ranks' blocks added in rank order on every rank (through a
+    no-op codec, the bits of a reference that sums all ranks' data in rank
+    order); a rank's own block is not encoded. Each block is padded at its
+    end to what the codec's :meth:`~qcomm.QuantizedCommCodec.padded_size`
+    asks for (the block seen as one row). The gradient goes back through an
+    all-gather.
 
     See :mod:`qcomm.collectives` for what all three collectives share.
 
