@@ -252,12 +252,59 @@ def _replacement(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         # A custom all_to_all_single_comm is TorchRec's way to swap its
         # transport: whoever passes one wants theirs.
         if given.get("all_to_all_single_comm") is not None or not _ours(given["codecs"], group):
+            if name in _SUMMED:
+                _refuse_summed_wires(name, given["codecs"], group)
             return original(*args, **kwargs)
         calls[name] += 1
         assert _awaitable_class is not None
         return _awaitable_class(*run(given, group))
 
     return replacement
+
+
+# TorchRec's reduce-scatters, which sum the ranks' wires as they are and
+# all-gather the gradient's wire into a buffer of the gradient's size.
+_SUMMED = (
+    "reduce_scatter_base_pooled",
+    "reduce_scatter_v_pooled",
+    "reduce_scatter_v_per_feature_pooled",
+)
+
+
+def _refuse_summed_wires(name: str, codecs: Any, group: Any) -> None:
+    # A qcomm pair that build_registry let through for qcomm's exchange
+    # (allow_unsummable_reduce_scatter=True) but whose call goes to TorchRec's
+    # transport after all: its result would be silently wrong, so every rank
+    # (all take the same route) raises instead.
+    from qcomm.errors import CodecError
+    from qcomm.types import QuantizedCommCodecs, codec_info
+
+    if not isinstance(codecs, QuantizedCommCodecs) or dist.get_world_size(group) <= 1:
+        return
+    forward, backward = codecs.forward, codecs.backward
+    problems = []
+    if not codec_info(forward).summable:
+        problems.append(f"forward codec {codec_info(forward).name!r} is not summable")
+    if any(backward.calc_quantized_size(n) != n for n in (1, 7, 32)):
+        problems.append(f"backward codec {codec_info(backward).name!r} changes the size")
+    if not problems:
+        return
+    comm_ops = sys.modules[_COMM_OPS]
+    why = (
+        f"{ENV}=torchrec"
+        if _door is False
+        else "TorchRec's synchronous collectives"
+        if comm_ops.get_use_sync_collectives()
+        else "torch.compile"
+        if torch.compiler.is_compiling()
+        else "TorchRec's own transport"
+    )
+    raise CodecError(
+        f"comm_ops.{name}: this call runs on TorchRec's own transport ({why}), which sums "
+        f"the ranks' wires as they are, and the registry's POOLED_EMBEDDINGS_REDUCE_SCATTER "
+        f"pair cannot be summed so ({'; '.join(problems)}): the result would be silently "
+        f"wrong. Give that op fp16, bf16 or noop, or run it on qcomm's exchange"
+    )
 
 
 def _divide() -> bool:

@@ -181,3 +181,41 @@ def test_an_unpickled_registry_installs_on_torchrecs_import() -> None:
         """
     )
     assert out == "True True"
+
+
+def _on_torchrecs_transport(rank: int, world_size: int) -> dict[str, str]:
+    # TorchRec's synchronous collectives: the registry's reduce-scatter pair
+    # goes to TorchRec's transport, which sums wires as they are.
+    from torchrec.distributed import comm_ops
+    from torchrec.distributed.dist_data import PooledEmbeddingsReduceScatter
+
+    comm_ops.set_use_sync_collectives(True)
+    out = {}
+    for spec in ("fp8_e4m3_tensor/fp16", "fp16/int8", "fp16/fp16"):
+        registry = qcomm.build_registry(
+            {"pooled_embeddings_reduce_scatter": spec}, allow_unsummable_reduce_scatter=True
+        )
+        rs = PooledEmbeddingsReduceScatter(
+            dist.group.WORLD, codecs=registry["POOLED_EMBEDDINGS_REDUCE_SCATTER"]
+        )
+        try:
+            rs(_data(rank, world_size * BATCH, DIM)).wait()
+            out[spec] = "ok"
+        except qcomm.CodecError as err:
+            out[spec] = str(err)
+    out["installed"] = str(torchrec_exchange.installed())
+    out["calls"] = str(sum(torchrec_exchange.calls.values()))
+    return out
+
+
+def test_an_unsummable_pair_on_torchrecs_transport_is_refused_on_every_rank() -> None:
+    # build_registry let the pair through for qcomm's exchange; a call that
+    # goes to TorchRec's transport after all raises instead of summing wires.
+    for r in run_ranks(_on_torchrecs_transport, 2, timeout=180.0):
+        assert r["installed"] == "True" and r["calls"] == "0", r
+        assert r["fp16/fp16"] == "ok", r
+        for spec, problem in (
+            ("fp8_e4m3_tensor/fp16", "forward codec 'fp8_e4m3_tensor' is not summable"),
+            ("fp16/int8", "backward codec 'int8' changes the size"),
+        ):
+            assert problem in r[spec] and "synchronous collectives" in r[spec], r
