@@ -590,8 +590,9 @@ def advice_json(
 
     The advice as the JSON's ``advice`` key: the error budget, and per link
     rate the registry string, the run's spread (:func:`run_spread`), whether
-    the advice is ``provisional`` (that spread is over the 5% a pick must
-    gain, so the figures cannot separate the candidates) and per collective
+    the advice is ``provisional`` (a candidate faster than a pick is within
+    that spread of it, or of no codec, so the figures cannot separate them)
+    and per collective
     the pair, its spec, its expected speed-up and error, and whether it was
     measured or predicted.
 
@@ -615,9 +616,10 @@ def advice_json(
                 "registry": registry_string(advice),
                 "collectives": collectives,
                 "spread": spread,
-                # The rounds disagree by more than the gain a pick must show:
-                # more rounds (or a run without --quick) may pick otherwise.
-                "provisional": bool(collectives) and spread > _WORTH,
+                # A faster candidate within the run's spread of a pick: the
+                # figures cannot separate them, and more rounds (or a run
+                # without --quick) may pick otherwise.
+                "provisional": any(a.close for a in advice),
             }
         )
     return {

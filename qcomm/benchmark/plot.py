@@ -155,7 +155,7 @@ def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> l
         if measured:  # one grey dot stands for all: a codec's colour is its curve's
             ax.scatter([], [], color="grey", s=40, label=f"measured on the {link['spec']} link")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best", fontsize=8)
+        ax.legend(loc="lower left", fontsize=8)  # the CPU's mark sits at the top
     for rate in advice_rates(results):
         ax.axvline(rate, color="grey", linestyle=":", linewidth=1)
     user = results["meta"].get("link_gbps") or (
@@ -277,7 +277,10 @@ def _error_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> lis
             label=f"the advice's pick: {', '.join(sorted(chosen))}",
         )  # fmt: skip
     if budget is not None or chosen:
-        ax.legend(loc="lower left", fontsize=8)
+        # Room above the highest point, for the legend to cover no label.
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high * 15)
+        ax.legend(loc="upper right", fontsize=8)
     ax.set_xlim(left=0, right=max([x for x, _ in xy], default=32) + 6)
     ax.set_xlabel("wire bits per element (measured, scales included)")
     ax.set_ylabel("RMS relative error against float32")

@@ -295,8 +295,8 @@ def _advice(results: dict[str, Any]) -> list[str]:
         gbit = rate["gbit_per_s"]
         if rate.get("provisional"):
             lines.append(
-                f"  PROVISIONAL at {gbit:g} Gbit/s: this run's rounds spread by "
-                f"x{rate['spread']:.2f}, more than the x1.05 a pick must gain, so its "
+                f"  PROVISIONAL at {gbit:g} Gbit/s: faster candidates are within this "
+                f"run's spread between rounds (x{rate['spread']:.2f}) of a pick, so its "
                 f"figures cannot separate the candidates; more --rounds (or a run "
                 f"without --quick) can pick otherwise"
             )
