@@ -368,7 +368,11 @@ def die_or_survive(rank: int, world: int, scenario: str) -> None:
                 os._exit(7)
             pending.wait()
     elif scenario == "exit_before_first_call":
-        # Rank 0's first call of an op waits in the agreement exchange.
+        # Rank 0's first call of an op waits in the agreement exchange. The
+        # barrier first: gloo's own connections may still be forming on rank
+        # 0 when rank 1's init returns, and an exit then fails rank 0's init
+        # instead of its first call.
+        dist.barrier()
         if rank == 1:
             os._exit(7)
         start_any(rank, world, 0).wait()
