@@ -13,9 +13,9 @@ world size 1, TorchRec's synchronous or compiled mode) goes to TorchRec's
 function unchanged.
 
 Installing is explicit (:func:`install`) and also automatic: wherever a
-qcomm pair exists — built by :func:`~qcomm.build_registry` or
-:func:`~qcomm.load_pair`, made by hand, or unpickled, as in ranks started by
-``torch.multiprocessing.spawn`` with a registry built in the launcher — it
+qcomm registry is built (:func:`~qcomm.build_registry`,
+:func:`~qcomm.load_pair`) or unpickled, as in ranks started by
+``torch.multiprocessing.spawn`` with a registry built in the launcher, it
 installs at once where TorchRec is imported and otherwise as soon as it is
 (:func:`enable`). :func:`uninstall` puts TorchRec's functions back and holds
 in any order: until :func:`install` is called again, no pair and no later
@@ -27,6 +27,7 @@ keeps TorchRec's transport for qcomm codecs (only the codecs change);
 from __future__ import annotations
 
 import collections
+import copyreg
 import functools
 import importlib.abc
 import importlib.machinery
@@ -42,6 +43,9 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+
+from qcomm.errors import CodecError
+from qcomm.types import HostCodecs, QuantizedCommCodecs, codec_info
 
 __all__ = ["ENV", "calls", "enable", "enabled", "install", "installed", "uninstall"]
 
@@ -162,7 +166,7 @@ def uninstall() -> None:
     uninstall() -> None
 
     Puts TorchRec's own functions back, and keeps them: until
-    :func:`install` is called, neither a qcomm pair (built, made or unpickled)
+    :func:`install` is called, neither a qcomm registry (built or unpickled)
     nor a later import of TorchRec installs qcomm's exchange again. Safe to
     call in any order, before TorchRec is imported included.
     """
@@ -220,8 +224,6 @@ _door: bool | None = None
 def _ours(codecs: Any, group: Any) -> bool:
     """Whether this call goes to qcomm's exchange."""
     global _door
-    from qcomm.types import QuantizedCommCodecs
-
     if not isinstance(codecs, QuantizedCommCodecs):
         return False
     if _door is None:
@@ -276,9 +278,6 @@ def _refuse_summed_wires(name: str, codecs: Any, group: Any) -> None:
     # (allow_unsummable_reduce_scatter=True) but whose call goes to TorchRec's
     # transport after all: its result would be silently wrong, so every rank
     # (all take the same route) raises instead.
-    from qcomm.errors import CodecError
-    from qcomm.types import QuantizedCommCodecs, codec_info
-
     if not isinstance(codecs, QuantizedCommCodecs) or dist.get_world_size(group) <= 1:
         return
     forward, backward = codecs.forward, codecs.backward
@@ -541,6 +540,25 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _restore(cls: Any, state: dict[str, Any]) -> Any:
+    """A qcomm pair unpickled (in a spawned rank, say): as it was, with qcomm's exchange enabled."""
+    pair = cls.__new__(cls)
+    pair.__dict__.update(state)
+    enable()
+    return pair
+
+
+def _reduce(pair: Any) -> tuple[Any, ...]:
+    return _restore, (type(pair), dict(pair.__dict__))
+
+
+# A qcomm pair pickled in a process that has this module (every process that
+# built a registry: registry.py imports it) unpickles through _restore, which
+# brings qcomm's exchange into TorchRec wherever the pair lands.
+for _pair_class in (QuantizedCommCodecs, HostCodecs):
+    copyreg.pickle(_pair_class, _reduce)
+
+
 def _install_quietly() -> None:
     global _told
     try:
@@ -556,7 +574,7 @@ def enable() -> None:
     r"""
     enable() -> None
 
-    What every qcomm pair calls when it is made or unpickled: :func:`install`
+    What a registry built or a qcomm pair unpickled calls: :func:`install`
     now if TorchRec's ``dist_data`` is imported, else right after it is;
     nothing after :func:`uninstall`, under
     ``QCOMM_TORCHREC_COLLECTIVES=torchrec`` or without TorchRec. Where

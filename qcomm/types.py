@@ -6,7 +6,6 @@ declares about itself, and the per-collective pair TorchRec sharders accept.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from typing import Any, Protocol, runtime_checkable
 
@@ -286,23 +285,6 @@ class QuantizedCommCodecs:
     forward: Any = dataclasses.field(default_factory=NoOpQuantizedCommCodec)
     backward: Any = dataclasses.field(default_factory=NoOpQuantizedCommCodec)
 
-    def __post_init__(self) -> None:
-        _open_torchrec_door()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # Unpickled (a registry handed to spawned ranks): the pair brings
-        # qcomm's exchange into TorchRec in this process too.
-        self.__dict__.update(state)
-        _open_torchrec_door()
-
-
-def _open_torchrec_door() -> None:
-    # Wherever a pair exists, TorchRec's calls with it take qcomm's exchange
-    # (qcomm.torchrec_exchange.enable: idempotent, a no-op after uninstall()).
-    # The door runs the collectives, which use this module, so it is found by
-    # name, as a plugin is, instead of imported here.
-    importlib.import_module("qcomm.torchrec_exchange").enable()
-
 
 @dataclasses.dataclass
 class HostCodecs(QuantizedCommCodecs):
@@ -355,7 +337,6 @@ class HostCodecs(QuantizedCommCodecs):
             raise ValueError(f"ranks_per_host: expected None or a positive int, got {n!r}")
         self.forward = self.other_host.forward
         self.backward = self.other_host.backward
-        super().__post_init__()
 
 
 # The members every codec has (the contract, docs/codecs.rst).

@@ -173,8 +173,9 @@ def test_an_unpickled_registry_installs_on_torchrecs_import() -> None:
     out = _script(
         f"""
         import pickle, sys
+        registry = pickle.loads({pickle.dumps(registry)!r})  # brings the door with it
+        assert "qcomm.torchrec_exchange" in sys.modules and "qcomm.registry" not in sys.modules
         from qcomm import torchrec_exchange as tx
-        registry = pickle.loads({pickle.dumps(registry)!r})
         assert "torchrec" not in sys.modules and not tx.installed()
         from torchrec.distributed import dist_data
         print(tx.installed(), hasattr(dist_data.alltoall_pooled, "__wrapped__"))
