@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -481,24 +482,38 @@ class _Call:
         senders = [s for s in recv_order(rank, self.world) if s in peers]
         sends = [([p], Flat(out[b], padded[b])) for p, b in sent]
         recvs = [(s, Flat(sums[b], padded[b])) for s in senders for b in kept]
+        finish = self._exchange(step, sends, recvs, coding, record, add=True)
+        for b, total in sums.items():
+            if total is not self.block(b):
+                total.copy_(self.block(b))
+        finish()
+        self.sums = {b: t for b, t in sums.items() if t is not self.block(b)}
+
+    def _exchange(
+        self,
+        step: _Step,
+        sends: list[Any],
+        recvs: list[Any],
+        coding: Any,
+        record: _Record | None,
+        add: bool = False,
+    ) -> Callable[[], None]:
+        """Starts one of the call's exchanges, decodes what it encoded into the sinks
+        (once the sends are out), and returns the function that finishes it."""
         self.call.next_exchange(step.name)
         finish = start_exchange(
             sends,
             recvs,
             coding,
             self.call,
-            buf.dtype,
+            self.buffer.dtype,
             self.chunk_bytes,
-            add=True,
+            add=add,
             encoded=record.keep if record is not None else None,
         )
         if record is not None:
             record.drain()
-        for b, total in sums.items():
-            if total is not self.block(b):
-                total.copy_(self.block(b))
-        finish()
-        self.sums = {b: t for b, t in sums.items() if t is not self.block(b)}
+        return finish
 
     def all_gather(self, step: _Step, divide: int) -> None:
         """Sends this rank's blocks (divided by ``divide``) to each peer and decodes theirs."""
@@ -533,16 +548,4 @@ class _Call:
         sends = [(peers, Flat(shard, padded[b])) for b, shard in shards] if peers else []
         senders = [s for s in recv_order(rank, self.world) if s in peers]
         recvs = [(s, Flat(self.block(b), padded[b])) for s in senders for b in self._of(blocks, s)]
-        self.call.next_exchange(step.name)
-        finish = start_exchange(
-            sends,
-            recvs,
-            coding,
-            self.call,
-            buf.dtype,
-            self.chunk_bytes,
-            encoded=record.keep if record is not None else None,
-        )
-        if record is not None:
-            record.drain()
-        finish()
+        self._exchange(step, sends, recvs, coding, record)()
