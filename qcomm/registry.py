@@ -278,10 +278,6 @@ def _checked(
     return registry
 
 
-def _keeps_size(codec: Any) -> bool:
-    return all(codec.calc_quantized_size(n) == n for n in (1, 7, 32, 4096))
-
-
 def _check_reduce_scatter(
     registry: dict[str, QuantizedCommCodecs],
     allow_unsummable_reduce_scatter: bool,
@@ -290,10 +286,7 @@ def _check_reduce_scatter(
     pair = registry.get(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name)
     if pair is None or allow_unsummable_reduce_scatter:
         return
-    forward_ok = codec_info(pair.forward).summable
-    # TorchRec all-gathers the backward wire into a buffer shaped like the
-    # unencoded gradient, so the codec must keep one wire element per element.
-    backward_ok = _keeps_size(pair.backward)
+    forward_ok, backward_ok = torchrec_exchange.carried(pair)
     if forward_ok and backward_ok:
         return
     fix = _fix(given, forward_ok, backward_ok)

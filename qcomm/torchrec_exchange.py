@@ -47,7 +47,7 @@ import torch.distributed as dist
 from qcomm.errors import CodecError
 from qcomm.types import HostCodecs, QuantizedCommCodecs, codec_info
 
-__all__ = ["ENV", "calls", "enable", "enabled", "install", "installed", "uninstall"]
+__all__ = ["ENV", "calls", "carried", "enable", "enabled", "install", "installed", "uninstall"]
 
 #: the environment variable that chooses the transport of qcomm codecs in TorchRec
 ENV = "QCOMM_TORCHREC_COLLECTIVES"
@@ -86,7 +86,7 @@ _EXPECTED = {
 # Every replacement also reads these.
 _COMMON = ("group", "codecs")
 
-_lock = threading.RLock()
+_lock = threading.Lock()
 _originals: dict[str, Callable[..., Any]] = {}
 _awaitable_class: type | None = None
 # Set by uninstall(), cleared by install(): the automatic installs stay off.
@@ -95,6 +95,12 @@ _held_off = False
 _findable: bool | None = None
 # Whether a refused install was already told (once per process).
 _told = False
+# Whether qcomm codecs take qcomm's exchange: ENV read once per install, at
+# the first call with qcomm codecs. Read on every call, a variable changed
+# between calls (or between a forward and its backward) could send the
+# ranks through different doors, whose messages never meet: they would wait
+# for each other until the timeout. uninstall() is the way back to TorchRec's.
+_door: bool | None = None
 
 
 def enabled() -> bool:
@@ -137,13 +143,15 @@ def install() -> None:
         RuntimeError: if TorchRec's functions are not the ones this version of
             qcomm knows (a TorchRec upgrade moved them); nothing is replaced.
     """
-    global _awaitable_class, _held_off
+    global _awaitable_class, _held_off, _door
     comm_ops = importlib.import_module(_COMM_OPS)
     dist_data = importlib.import_module(_DIST_DATA)
     with _lock:
         _held_off = False
         if _originals:
             return
+        # A new install reads ENV again, at its first call.
+        _door = None
         problems = [p for name in _EXPECTED if (p := _mismatch(comm_ops, dist_data, name))]
         if problems:
             raise RuntimeError(
@@ -213,14 +221,6 @@ def _make_awaitable_class() -> type:
     return OnQcomm
 
 
-# Whether qcomm codecs take qcomm's exchange: ENV read once per install, at
-# the first call with qcomm codecs. Read on every call, a variable changed
-# between calls (or between a forward and its backward) could send the
-# ranks through different doors, whose messages never meet: they would wait
-# for each other until the timeout. uninstall() is the way back to TorchRec's.
-_door: bool | None = None
-
-
 def _ours(codecs: Any, group: Any) -> bool:
     """Whether this call goes to qcomm's exchange."""
     global _door
@@ -237,9 +237,6 @@ def _ours(codecs: Any, group: Any) -> bool:
 
 
 def _replacement(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    global _door
-    # A new install reads ENV again, at its first call.
-    _door = None
     signature = inspect.signature(original)
     run = _RUNS[name]
 
@@ -273,6 +270,22 @@ _SUMMED = (
 )
 
 
+def carried(pair: Any) -> tuple[bool, bool]:
+    r"""
+    carried(pair: Any) -> tuple[bool, bool]
+
+    Whether TorchRec's own transport carries a reduce-scatter pair right: its
+    forward codec's wires may be summed as they are (``CodecInfo.summable``),
+    and its backward codec keeps one wire element per element (TorchRec
+    all-gathers the gradient's wire into a buffer of the gradient's size).
+
+    Args:
+        pair (QuantizedCommCodecs): the reduce-scatter's codecs.
+    """
+    keeps_size = all(pair.backward.calc_quantized_size(n) == n for n in (1, 7, 32, 4096))
+    return codec_info(pair.forward).summable, keeps_size
+
+
 def _refuse_summed_wires(name: str, codecs: Any, group: Any) -> None:
     # A qcomm pair that build_registry let through for qcomm's exchange
     # (allow_unsummable_reduce_scatter=True) but whose call goes to TorchRec's
@@ -280,12 +293,12 @@ def _refuse_summed_wires(name: str, codecs: Any, group: Any) -> None:
     # (all take the same route) raises instead.
     if not isinstance(codecs, QuantizedCommCodecs) or dist.get_world_size(group) <= 1:
         return
-    forward, backward = codecs.forward, codecs.backward
+    forward_ok, backward_ok = carried(codecs)
     problems = []
-    if not codec_info(forward).summable:
-        problems.append(f"forward codec {codec_info(forward).name!r} is not summable")
-    if any(backward.calc_quantized_size(n) != n for n in (1, 7, 32)):
-        problems.append(f"backward codec {codec_info(backward).name!r} changes the size")
+    if not forward_ok:
+        problems.append(f"forward codec {codec_info(codecs.forward).name!r} is not summable")
+    if not backward_ok:
+        problems.append(f"backward codec {codec_info(codecs.backward).name!r} changes the size")
     if not problems:
         return
     comm_ops = sys.modules[_COMM_OPS]
