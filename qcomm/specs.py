@@ -11,7 +11,13 @@ from typing import Any
 from qcomm.errors import CodecError
 from qcomm.ops import CommOp
 
-__all__ = ["parse_codec_spec", "parse_host_spec", "parse_registry_string", "split_codec_specs"]
+__all__ = [
+    "parse_codec_spec",
+    "parse_host_spec",
+    "parse_pair_spec",
+    "parse_registry_string",
+    "split_codec_specs",
+]
 
 #: The parts of a codecs-by-host spec (see :func:`parse_host_spec`).
 HOST_KEYS = ("same_host", "other_host", "ranks_per_host")
@@ -73,6 +79,35 @@ def parse_codec_spec(spec: str) -> tuple[str, dict[str, Any]]:
             raise CodecError(f"option {key!r} is given twice in codec spec {spec!r}")
         options[key] = _parse_value(value.strip())
     return name, options
+
+
+def parse_pair_spec(text: str, where: str = "codecs") -> tuple[str, str]:
+    r"""
+    parse_pair_spec(text: str, where: str = "codecs") -> tuple[str, str]
+
+    Splits a pair spec, ``forward/backward`` or one spec for both.
+
+    Args:
+        text (str): the pair spec.
+        where (str): what the error names (an argument or a registry entry).
+
+    Returns:
+        tuple[str, str]: the forward and the backward codec spec.
+
+    Raises:
+        CodecError: if ``text`` has more than one ``/`` or an empty side.
+
+    Examples::
+
+        >>> parse_pair_spec("int8:row_dim=64/fp16")
+        ('int8:row_dim=64', 'fp16')
+        >>> parse_pair_spec("bf16")
+        ('bf16', 'bf16')
+    """
+    parts = [part.strip() for part in text.split("/")]
+    if len(parts) > 2 or not all(parts):
+        raise CodecError(f"{where}: expected 'forward/backward' or one codec spec, got {text!r}")
+    return parts[0], parts[-1]
 
 
 def split_codec_specs(text: str) -> list[str]:
