@@ -661,3 +661,28 @@ def test_close_all_joins_the_workers_and_lets_go_of_their_groups() -> None:
     assert torch.equal(future.wait(), torch.ones(1)) and ran == [group]
     worker.close(timeout=5.0)
     assert not worker._thread.is_alive() and worker.group is None
+
+
+def test_spec_errors_name_the_argument() -> None:
+    # Pairs are read by qcomm's one parser of pair specs, and each codec
+    # spec's error names the argument it came in.
+    for spec, gather, name in (
+        ("int8/", None, "spec"),
+        ("/fp16", None, "spec"),
+        ("int8/fp16/bf16", None, "spec"),
+        ("int9/fp16", None, "spec.forward"),
+        ("int8/int9", None, "spec.backward"),
+        ("int8", "int9", "gather"),
+        ("int9", "fp16", "spec"),
+        (None, "int9", "gather"),
+    ):
+        for make in (qcomm.ddp_comm_hook, DDPCommHookState):
+            with pytest.raises(CodecError) as err:
+                make(spec, gather=gather)
+            assert str(err.value).startswith(f"{name}: "), (spec, gather, str(err.value))
+    # What a pair gives is unchanged: a codec per step, from its spec.
+    state = DDPCommHookState(" int8:row_dim=64 / fp16 ", error_feedback=True)
+    assert repr(state) == (
+        "DDPCommHookState(reduce='int8:row_dim=64', gather='fp16', error_feedback=True)"
+    )
+    assert pickle.loads(pickle.dumps(state)).gather_codec.info.name == "fp16"
