@@ -9,7 +9,6 @@ feedback.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,19 +16,16 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives._args import check_chunk_bytes, check_codec, check_input, resolve_codecs
+from qcomm.collectives._blocks import _every_codec, granule, layout, split_blocks
 from qcomm.collectives._buffers import lease
 from qcomm.collectives._call import Call, begin
 from qcomm.collectives._coding import is_identity, uniform
 from qcomm.collectives._exchange import Flat, recv_order, send_order, start_exchange
 from qcomm.collectives._hosts import ByHost, host_of_ranks
 from qcomm.collectives._wire import checked_decode
-from qcomm.types import CodecInfo, HostCodecs, NoOpQuantizedCommCodec
+from qcomm.types import HostCodecs, NoOpQuantizedCommCodec
 
 __all__ = ["Residuals", "all_reduce", "granule", "layout"]
-
-# The largest block alignment asked of the layout: a codec that scales
-# longer blocks than this pads its last block instead.
-_MAX_GRANULE = 4096
 
 
 @dataclasses.dataclass
@@ -48,63 +44,6 @@ class Residuals:
 
     scatter: torch.Tensor | None = None
     gather: torch.Tensor | None = None
-
-
-def granule(*codecs: Any) -> int:
-    r"""
-    granule(*codecs: Any) -> int
-
-    The block alignment that :func:`layout` takes: the least common multiple
-    of the codecs' :attr:`~qcomm.CodecInfo.error_block`, so that only the
-    last block pads (``1`` when none declares one, or it is over 4096).
-
-    Args:
-        *codecs (Any): the codecs.
-
-    Returns:
-        int: elements.
-
-    Examples::
-
-        >>> from qcomm import NoOpQuantizedCommCodec
-        >>> granule(NoOpQuantizedCommCodec())
-        1
-    """
-    out = 1
-    for codec in codecs:
-        info = getattr(codec, "info", None)
-        if isinstance(info, CodecInfo) and info.error_block >= 1:
-            out = math.lcm(out, info.error_block)
-    return out if out <= _MAX_GRANULE else 1
-
-
-def layout(numel: int, world: int, granule: int) -> list[int]:
-    r"""
-    layout(numel: int, world: int, granule: int) -> list[int]
-
-    Where each rank's block of a buffer starts: at multiples of ``granule``;
-    the last blocks may be shorter, or empty.
-
-    Args:
-        numel (int): elements of the buffer.
-        world (int): ranks, one block each.
-        granule (int): block alignment, in elements.
-
-    Returns:
-        list[int]: ``world + 1`` offsets; block :math:`r` is
-        ``[offsets[r], offsets[r + 1])``.
-
-    Examples::
-
-        >>> layout(100, 2, 32)
-        [0, 64, 100]
-        >>> layout(10, 3, 32)
-        [0, 10, 10, 10]
-        >>> layout(9, 3, 1)
-        [0, 3, 6, 9]
-    """
-    per = -(-numel // world // granule) * granule
-    return [min(r * per, numel) for r in range(world)] + [numel]
 
 
 class _Sink:
@@ -294,7 +233,7 @@ def all_reduce(
             chunk = check_chunk_bytes(chunk_bytes)
             reduce, gather = _codecs(reduce_codec, gather_codec, by_host, buffer.dtype, call)
             every = _every_codec(reduce) + _every_codec(gather)
-            bounds = layout(buffer.numel(), world, granule(*every))
+            bounds = split_blocks(buffer.numel(), world, reduce, gather)
             if all(is_identity(codec, buffer.dtype) for codec in every):
                 residuals = None  # nothing is lost, nothing to keep
             if residuals is not None:
@@ -351,10 +290,6 @@ def _codecs(
         check_codec(codec, name, call.backend)
         codecs.append(codec)
     return codecs[0], codecs[1]
-
-
-def _every_codec(codec: Any) -> list[Any]:
-    return [codec.same, codec.other] if isinstance(codec, ByHost) else [codec]
 
 
 @dataclasses.dataclass
