@@ -8,83 +8,21 @@ feedback.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from qcomm.collectives._args import check_chunk_bytes, check_flag, check_input, pair_codecs
+from qcomm.collectives._blocks import _every_codec, granule, layout, split_blocks
 from qcomm.collectives._call import begin
 from qcomm.collectives._coding import is_identity
 from qcomm.collectives._feedback import Residuals, check_residuals
-from qcomm.collectives._hosts import ByHost
 from qcomm.collectives._reduce import reduce_in_steps
 from qcomm.collectives._topology import steps
-from qcomm.types import CodecInfo, HostCodecs
+from qcomm.types import HostCodecs
 
 __all__ = ["Residuals", "all_reduce", "granule", "layout"]
-
-# The largest block alignment asked of the layout: a codec that scales
-# longer blocks than this pads its last block instead.
-_MAX_GRANULE = 4096
-
-
-def granule(*codecs: Any) -> int:
-    r"""
-    granule(*codecs: Any) -> int
-
-    The block alignment that :func:`layout` takes: the least common multiple
-    of the codecs' :attr:`~qcomm.CodecInfo.error_block`, so that only the
-    last block pads (``1`` when none declares one, or it is over 4096).
-
-    Args:
-        *codecs (Any): the codecs.
-
-    Returns:
-        int: elements.
-
-    Examples::
-
-        >>> from qcomm import NoOpQuantizedCommCodec
-        >>> granule(NoOpQuantizedCommCodec())
-        1
-    """
-    out = 1
-    for codec in codecs:
-        info = getattr(codec, "info", None)
-        if isinstance(info, CodecInfo) and info.error_block >= 1:
-            out = math.lcm(out, info.error_block)
-    return out if out <= _MAX_GRANULE else 1
-
-
-def layout(numel: int, world: int, granule: int) -> list[int]:
-    r"""
-    layout(numel: int, world: int, granule: int) -> list[int]
-
-    Where each rank's block of a buffer starts: at multiples of ``granule``;
-    the last blocks may be shorter, or empty.
-
-    Args:
-        numel (int): elements of the buffer.
-        world (int): ranks, one block each.
-        granule (int): block alignment, in elements.
-
-    Returns:
-        list[int]: ``world + 1`` offsets; block :math:`r` is
-        ``[offsets[r], offsets[r + 1])``.
-
-    Examples::
-
-        >>> layout(100, 2, 32)
-        [0, 64, 100]
-        >>> layout(10, 3, 32)
-        [0, 10, 10, 10]
-        >>> layout(9, 3, 1)
-        [0, 3, 6, 9]
-    """
-    per = -(-numel // world // granule) * granule
-    return [min(r * per, numel) for r in range(world)] + [numel]
 
 
 def all_reduce(
@@ -178,7 +116,7 @@ def all_reduce(
                 reduce_codec, gather_codec, by_host, buffer.dtype, call.backend
             )
             every = _every_codec(reduce) + _every_codec(gather)
-            bounds = layout(buffer.numel(), world, granule(*every))
+            bounds = split_blocks(buffer.numel(), world, reduce, gather)
             if all(is_identity(codec, buffer.dtype) for codec in every):
                 residuals = None  # nothing is lost, nothing to keep
             if residuals is not None:
@@ -201,7 +139,3 @@ def all_reduce(
                 residuals.scatter = residuals.gather = None
             raise
     return buffer
-
-
-def _every_codec(codec: Any) -> list[Any]:
-    return [codec.same, codec.other] if isinstance(codec, ByHost) else [codec]
