@@ -27,6 +27,7 @@ from qcomm.benchmark.advice import (
     speedups,
 )
 from qcomm.benchmark.report import format_report
+from qcomm.benchmark.results import LossGap
 
 A2A = CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.value
 RS = CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value
@@ -281,12 +282,9 @@ def test_training_loss_gaps_are_shown_and_a_significant_one_is_left_out(tmp_path
     )
     gaps = read_loss_gaps(path)
     assert set(gaps[A2A]) == {"fp16", "int8", "mx4"} and set(gaps[RS]) == {"fp16", "bf16"}
-    assert gaps[A2A]["mx4"] == {
-        "config": "mx4",
-        "held_out_gap": 0.0056,
-        "ci95": 0.0022,
-        "significant": True,
-    }
+    assert gaps[A2A]["mx4"] == LossGap(
+        config="mx4", held_out_gap=0.0056, ci95=0.0022, significant=True
+    )
     # Even with mx4 inside the budget, the default leaves it out for its gap.
     results = _results({A2A: CHEAP}, rms={"mx4": 0.01})
     (a2a,) = advise(results, 0.5, loss_gaps=gaps)

@@ -37,6 +37,10 @@ POLICY = "same_host=noop+other_host=int8"
 
 
 def _config(*argv: str) -> BenchConfig:
+    # The tests change the environment between calls; a process reads it once.
+    from qcomm import config
+
+    config._reread()
     return config_from_args(build_parser().parse_args(["bench", *argv]))
 
 
