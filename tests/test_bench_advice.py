@@ -492,3 +492,21 @@ def test_the_bare_reduce_scatter_raises_no_warning_of_ours() -> None:
     finally:
         dist.destroy_process_group()
     assert torch.equal(out, x)
+
+
+def test_the_report_renders_the_advice_it_is_given_and_computes_none(monkeypatch) -> None:
+    import qcomm.benchmark.advice as advice_module
+
+    results = _results({A2A: CHEAP, RS: CHEAP})
+    given = advice_json(results, max_error="1e-2")
+    calls: list[str] = []
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        calls.append("advice")
+        raise AssertionError("the report computed advice")
+
+    monkeypatch.setattr(advice_module, "run_advice", refused)
+    monkeypatch.setattr(advice_module, "advise", refused)
+    text = format_report({**_full(results), "advice": given})
+    assert "RMS error at most 0.01 (--max-error)" in text and calls == []
+    assert "Advice (" not in format_report(_full(results))  # none given, none shown

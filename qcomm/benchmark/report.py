@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qcomm._table import format_table
-from qcomm.benchmark.advice import is_noise, run_advice, speedup_table
+from qcomm.benchmark.advice import is_noise, speedup_table
 from qcomm.benchmark.options import OP_TITLES, format_size
 from qcomm.benchmark.plot import write_plot
 from qcomm.benchmark.results import (
@@ -287,8 +287,9 @@ def _gap_text(gap: LossGap | None) -> str:
 
 
 def _advice(results: Results) -> list[str]:
-    advice = results.advice or run_advice(results)
-    if not any(rate.collectives for rate in advice.rates):
+    # The advice is the run's (advice.py made it): a run without one has none to show.
+    advice = results.advice
+    if advice is None or not any(rate.collectives for rate in advice.rates):
         return []
     real = results.meta.local is False
     lines = [
@@ -441,7 +442,8 @@ def format_report(results: Results | Mapping[str, Any]) -> str:
 
     The terminal report: the codec table, the collectives' tables, the
     legend, the machine's load, warnings, the failures with their reasons,
-    and last the advice.
+    and last the advice: the results' own (:func:`~qcomm.benchmark.advice.run_advice`
+    made it), none where they have none.
 
     Args:
         results (Results | Mapping[str, Any]): the run's results, or the JSON's content.
