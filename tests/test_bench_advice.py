@@ -26,8 +26,8 @@ from qcomm.benchmark.advice import (
     speedup_at,
     speedups,
 )
+from qcomm.benchmark.options import LossGap
 from qcomm.benchmark.report import format_report
-from qcomm.benchmark.results import LossGap
 
 A2A = CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.value
 RS = CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value
@@ -510,3 +510,13 @@ def test_the_report_renders_the_advice_it_is_given_and_computes_none(monkeypatch
     text = format_report({**_full(results), "advice": given})
     assert "RMS error at most 0.01 (--max-error)" in text and calls == []
     assert "Advice (" not in format_report(_full(results))  # none given, none shown
+
+
+def test_the_loss_gaps_travel_to_the_ranks_as_records(tmp_path) -> None:
+    # The settings reach spawned ranks as JSON; rank 0's advice reads the gaps' fields.
+    from qcomm.benchmark.options import BenchConfig
+
+    gaps = {A2A: {"int8": LossGap(config="int8", held_out_gap=0.001, significant=True)}}
+    config = BenchConfig.from_json(BenchConfig(loss_gaps=gaps).to_json())
+    assert config.loss_gaps == gaps
+    assert BenchConfig.from_json(BenchConfig().to_json()).loss_gaps is None

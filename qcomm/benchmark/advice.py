@@ -25,10 +25,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from qcomm.benchmark.metrics import predicted_time, relative_spread
+from qcomm.benchmark.options import LossGap
 from qcomm.benchmark.results import (
     Advice,
     AdviceRate,
-    LossGap,
     Results,
     RunAdvice,
     codec_rows,

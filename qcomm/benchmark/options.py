@@ -18,6 +18,7 @@ from qcomm.ops import CommOp
 from qcomm.specs import parse_codec_spec, parse_host_spec, parse_pair_spec, split_codec_specs
 
 __all__ = [
+    "LossGap",
     "BenchOp",
     "DenseOp",
     "DEFAULT_SIZES",
@@ -329,6 +330,25 @@ def parse_ops(text: str) -> list[BenchOp]:
     return [op for op in [*CommOp, *DenseOp] if op in chosen]
 
 
+@dataclasses.dataclass(kw_only=True)
+class LossGap:
+    r"""
+    The training example's held-out loss gap of a codec to float32
+    (:func:`~qcomm.benchmark.advice.read_loss_gaps`).
+
+    Args:
+        config (str): the example's configuration it comes from.
+        held_out_gap (float): the held-out loss minus float32's.
+        ci95 (float, optional): half the 95% interval of the gap.
+        significant (bool): the gap is significant.
+    """
+
+    config: str | None = None
+    held_out_gap: float = 0.0
+    ci95: float | None = None
+    significant: bool = False
+
+
 @dataclasses.dataclass
 class BenchConfig:
     r"""
@@ -364,7 +384,7 @@ class BenchConfig:
         max_error (str | None): the advice's error budget (``--max-error``):
             a number or a codec; ``None`` for the default.
         data_scale (float): the codecs' inputs are standard normal times this.
-        loss_gaps (dict | None): the training example's loss gaps
+        loss_gaps (dict[str, dict[str, LossGap]] | None): the training example's loss gaps
             (:func:`~qcomm.benchmark.advice.read_loss_gaps`).
         training_results (str | None): the file they were read from.
         train (bool): run the training-step benchmark instead (``--train``,
@@ -440,6 +460,14 @@ class BenchConfig:
             True
         """
         data: dict[str, Any] = json.loads(text)
+        gaps = data.pop("loss_gaps", None)
+        if gaps is not None:  # the training example's gaps, records again
+            data.update(
+                loss_gaps={
+                    op: {codec: LossGap(**gap) for codec, gap in by_codec.items()}
+                    for op, by_codec in gaps.items()
+                }
+            )
         return cls(**data)
 
     def comm_ops(self) -> list[BenchOp]:

@@ -16,14 +16,13 @@ from typing import Any
 
 from qcomm._table import format_table
 from qcomm.benchmark.advice import is_noise, speedup_table
-from qcomm.benchmark.options import OP_TITLES, format_size
+from qcomm.benchmark.options import OP_TITLES, LossGap, format_size
 from qcomm.benchmark.plot import write_plot
 from qcomm.benchmark.results import (
     BenchMeta,
     DlrmTrain,
     LinkFigures,
     LinkRate,
-    LossGap,
     MlpModel,
     MlpTrain,
     Results,

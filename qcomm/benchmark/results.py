@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from qcomm.benchmark.options import host_parts
+from qcomm.benchmark.options import LossGap, host_parts
 from qcomm.benchmark.rows import CodecRow, DlrmRow, MlpRow, Point, TrainRow, from_json, to_json
 
 __all__ = [
@@ -27,7 +27,6 @@ __all__ = [
     "DlrmTrain",
     "LinkFigures",
     "LinkRate",
-    "LossGap",
     "MlpModel",
     "MlpTrain",
     "Results",
@@ -269,25 +268,6 @@ class Unavailable:
 
     fbgemm: str | None = _part()
     torchrec: str | None = _part()
-
-
-@dataclasses.dataclass(kw_only=True)
-class LossGap:
-    r"""
-    The training example's held-out loss gap of a codec to float32
-    (:func:`~qcomm.benchmark.advice.read_loss_gaps`).
-
-    Args:
-        config (str): the example's configuration it comes from.
-        held_out_gap (float): the held-out loss minus float32's.
-        ci95 (float, optional): half the 95% interval of the gap.
-        significant (bool): the gap is significant.
-    """
-
-    config: str | None = _part()
-    held_out_gap: float = _part(default=0.0)
-    ci95: float | None = _part()
-    significant: bool = _part(default=False)
 
 
 @dataclasses.dataclass
