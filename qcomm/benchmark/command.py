@@ -115,13 +115,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "launcher's ranks (NCCL on CUDA)."
     )
     _add_measure_arguments(parser)
+    _add_run_arguments(parser)
     _add_advice_arguments(parser)
     _add_timing_arguments(parser)
     _add_train_arguments(parser)
 
 
 def _add_measure_arguments(parser: argparse.ArgumentParser) -> None:
-    """What to measure, on how many ranks, and where the figures go."""
+    """What to measure, and on how many ranks."""
     parser.add_argument(
         "--codecs",
         action="append",
@@ -175,6 +176,10 @@ def _add_measure_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="smoke test: sizes 64K,1M, a 1 MiB codec tensor, short timing budgets",
     )
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the figures go, what is left out, how long and on what the run measures."""
     parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     parser.add_argument(
         "--plot", metavar="PATH", help="draw bandwidth and error plots to this PNG (matplotlib)"
