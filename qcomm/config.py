@@ -311,8 +311,7 @@ def configure(**fields: Any) -> None:
         _code.update(checked)
 
 
-@contextlib.contextmanager
-def configured(**fields: Any) -> Iterator[Settings]:
+def configured(**fields: Any) -> contextlib.AbstractContextManager[Settings]:
     r"""
     configured(**fields: Any) -> ContextManager[Settings]
 
@@ -336,7 +335,12 @@ def configured(**fields: Any) -> Iterator[Settings]:
         ...     settings.torchrec_collectives
         'torchrec'
     """
-    checked = _fields(fields)
+    # Checked here, not on entry: a bad value is told where the block is written.
+    return _block(_fields(fields))
+
+
+@contextlib.contextmanager
+def _block(checked: dict[str, Any]) -> Iterator[Settings]:
     missing = object()
     with _lock:
         before = {name: _code.get(name, missing) for name in checked}
