@@ -36,3 +36,27 @@ def test_codecs_by_host_specs_split_their_pairs_with_the_spec_parser() -> None:
     check_spec("same_host=noop+other_host=int8/bf16")
     with pytest.raises(Exception, match="forward/backward"):
         check_spec("same_host=noop+other_host=int8/bf16/fp16")
+
+
+def test_the_dlrm_mode_asks_qcomm_how_the_reduce_scatter_is_routed(monkeypatch) -> None:
+    pytest.importorskip("torchrec")
+    from qcomm import config, torchrec_exchange
+    from qcomm.benchmark import train
+
+    asked: list[object] = []
+    route = torchrec_exchange.route
+
+    def counted(op: object, *args: object, **kwargs: object) -> object:
+        asked.append(op)
+        return route(op, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torchrec_exchange, "route", counted)
+    was = torchrec_exchange.installed()
+    try:
+        assert train._refused() is None  # qcomm's exchange, installed: it carries int8
+        with config.configured(torchrec_collectives="torchrec"):
+            assert "torchrec_collectives" in (train._refused() or "")
+    finally:
+        if not was:  # as the other tests found it
+            torchrec_exchange.uninstall()
+    assert asked == [CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER] * 2

@@ -48,7 +48,6 @@ __all__ = [
     "TrainSeries",
     "add_figures",
     "comm_share",
-    "first_line",
     "round_steps",
     "run_model",
     "series_group",
@@ -232,24 +231,6 @@ def _block(
         run.status, run.error = "failed", problem
         return None
     return float(max(times))
-
-
-def first_line(text: str | None) -> str:
-    r"""
-    first_line(text: str | None) -> str
-
-    The first line of an error's text, ``"unknown error"`` for none.
-
-    Args:
-        text (str, optional): the text.
-
-    Examples::
-
-        >>> first_line("it failed\nTraceback ..."), first_line(None)
-        ('it failed', 'unknown error')
-    """
-    lines = (text or "").strip().splitlines()
-    return lines[0] if lines else "unknown error"
 
 
 _Row = TypeVar("_Row", bound=TrainRow)

@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 import qcomm
-from qcomm.benchmark.agreement import agreed, agreed_here
+from qcomm import torchrec_exchange
+from qcomm.benchmark.agreement import agreed_here
 from qcomm.benchmark.harness import (
     LOCAL,
     MemoryEstimate,
     Run,
     TrainSeries,
     add_figures,
-    first_line,
     round_steps,
     run_model,
     series_group,
@@ -438,61 +438,13 @@ def _dlrm_step(run: Run, batch: _Batch) -> torch.Tensor:
     return loss
 
 
-def _reduce_scatter_check(session: Session, group: Any) -> str | None:
-    # Whether TorchRec's reduce-scatter, given an int8 qcomm codec, sums
-    # right (None) or not (why): only qcomm's exchange can carry a wire that
-    # cannot be summed. Checked on a one-table row-wise model.
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-
-    world, device = group.size(), session.device
-    rows, dim, bags = 8 * world, 8, 4
-    registry = qcomm.build_registry(f"{_RS}=int8/bf16", allow_unsummable_reduce_scatter=True)
-    sharder = _sharder(registry)
-    table = EmbeddingBagConfig(
-        name="t0", embedding_dim=dim, num_embeddings=rows, feature_names=["f0"]
-    )
-    ebc = EmbeddingBagCollection(tables=[table], device=torch.device("meta"))
-    plan = construct_module_sharding_plan(
-        ebc, {"t0": row_wise(compute_kernel="fused")}, sharder=sharder, local_size=world,
-        world_size=world, device_type=device.type,
-    )  # fmt: skip
-    model = DistributedModelParallel(
-        ebc, env=ShardingEnv.from_process_group(group), plan=ShardingPlan({"": plan}),
-        sharders=[sharder], device=device,
-    )  # fmt: skip
-    full = 1.0 + torch.arange(rows * dim, dtype=torch.float32).reshape(rows, dim) / (rows * dim)
-    with torch.no_grad():
-        for value in model.state_dict().values():
-            for shard in value.local_shards():
-                first, count = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
-                shard.tensor.copy_(full[first : first + count])
-    # Two ids per bag, far apart: every bag sums rows of more than one rank.
-    ids = (torch.arange(2 * bags) * (rows // 2) // bags + session.rank) % rows
-    sparse = KeyedJaggedTensor.from_lengths_sync(
-        keys=["f0"], values=ids, lengths=torch.full((bags,), 2)
-    )
-    try:
-        with torch.no_grad():
-            out = model(sparse.to(device)).values().cpu()
-    except Exception as err:
-        return f"{type(err).__name__}: {first_line(str(err))}"
-    exact = full[ids].reshape(bags, 2, dim).sum(1)
-    error = float((out - exact).abs().max() / exact.abs().max())
-    # int8 with row-wise scales is off by well under 1%; a summed wire, by far more.
-    return None if error < 0.05 else f"its sums are off by {error:.2g} of their scale"
-
-
-def _refused(session: Session, config: BenchConfig) -> str | None:
-    # Why qcomm's exchange does not carry TorchRec's reduce-scatter (None: it does).
-    group = series_group(session, config)
-    outcome, problem = agreed(session, lambda: _reduce_scatter_check(session, group))
-    if outcome is None:
-        return first_line(problem)
-    reasons = [f"rank {rank}: {why}" for rank, why in enumerate(outcome) if why]
-    return reasons[0] if reasons else None
+def _refused() -> str | None:
+    # Why TorchRec's reduce-scatter with a qcomm codec would not run on
+    # qcomm's exchange (None: it would), as qcomm routes it; the exchange is
+    # installed first, as building the series' registries does.
+    torchrec_exchange.install()
+    route = torchrec_exchange.route(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
+    return None if route.transport == "qcomm" else route.reason
 
 
 def _torchrec_counterpart(row: DlrmRow, ok: dict[str, DlrmRow]) -> DlrmRow | None:
@@ -567,7 +519,7 @@ class Dlrm:
         """
         batches = _batches(config, session.rank, session.device)
         if any(run.series.unsummable_reduce_scatter for run in runs):
-            self.refused = _refused(session, config)
+            self.refused = _refused()
         return batches
 
     def build(self, session: Session, config: BenchConfig, run: Run) -> None:
