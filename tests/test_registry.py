@@ -331,7 +331,7 @@ class _Foreign:
 
 
 @pytest.mark.parametrize("codec", [_Unsummable(), _Foreign()])
-def test_unsummable_reduce_scatter_codec_is_refused(codec):
+def test_unsummable_reduce_scatter_codec_is_refused(codec, torchrecs_transport):
     rs = "POOLED_EMBEDDINGS_REDUCE_SCATTER"
     for build in (
         lambda **kw: qcomm.build_registry(forward=codec, **kw),
@@ -354,7 +354,7 @@ class _Shrinking(_Unsummable):
         return (input_len + 1) // 2 + 4
 
 
-def test_size_changing_reduce_scatter_backward_is_refused():
+def test_size_changing_reduce_scatter_backward_is_refused(torchrecs_transport):
     rs = "POOLED_EMBEDDINGS_REDUCE_SCATTER"
     with pytest.raises(
         CodecError, match="cannot be the backward codec of POOLED_EMBEDDINGS_REDUCE_SCATTER"
@@ -389,7 +389,9 @@ def _suggested(msg: str, prefix: str) -> str:
     return fix[:-1] if prefix.endswith("(") else fix
 
 
-def test_unsummable_reduce_scatter_from_qcomm_codecs_is_fixed_in_its_own_form(monkeypatch):
+def test_unsummable_reduce_scatter_from_qcomm_codecs_is_fixed_in_its_own_form(
+    monkeypatch, torchrecs_transport
+):
     monkeypatch.setenv("QCOMM_CODECS", "int8")
     msg = _refusal()
     assert msg.startswith("QCOMM_CODECS: codec 'int8' cannot be the forward codec of "), msg
@@ -421,7 +423,7 @@ def test_unsummable_reduce_scatter_from_qcomm_codecs_is_fixed_in_its_own_form(mo
 
 
 def test_unsummable_reduce_scatter_from_a_string_or_a_mapping_is_fixed_in_its_own_form(
-    monkeypatch,
+    monkeypatch, torchrecs_transport
 ):
     import ast
 
@@ -858,3 +860,19 @@ def test_a_plugin_the_user_imported_then_upgraded_is_refused(tmp_path):
     out = _run_python(code, tmp_path).splitlines()
     assert re.search(r"refused: .*good-codecs 2\.0.*imported good_mod before.*restart", out[0]), out
     assert out[1] == "kept: True"
+
+
+def test_loading_leaves_stevedores_own_listing_alone(tmp_path, monkeypatch):
+    # stevedore's listing is a class attribute, shared by every user of
+    # stevedore in the process: qcomm's load lists through its own manager
+    # and writes nothing there.
+    monkeypatch.delenv("QCOMM_PLUGINS", raising=False)
+    make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"})
+    activate(tmp_path, monkeypatch)
+    theirs = importlib.metadata.EntryPoint("theirs", "their_mod:Thing", "qcomm.codecs")
+    monkeypatch.setattr(ExtensionManager, "ENTRY_POINT_CACHE", {"other.group": []})
+    assert type(qcomm.load_codec("good")).__module__ == "good_mod"
+    assert ExtensionManager.ENTRY_POINT_CACHE == {"other.group": []}
+    ExtensionManager.ENTRY_POINT_CACHE["qcomm.codecs"] = [theirs]
+    assert type(qcomm.load_codec("fp16")).__name__ == "FP16Codec"
+    assert ExtensionManager.ENTRY_POINT_CACHE == {"other.group": [], "qcomm.codecs": [theirs]}

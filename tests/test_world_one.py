@@ -52,7 +52,7 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_no_communication_at_world_size_one(
     one_rank: None, monkeypatch: pytest.MonkeyPatch, transport: str, verify: str | None
 ) -> None:
-    monkeypatch.setenv(_transport.ENV, transport)
+    monkeypatch.setenv("QCOMM_TRANSPORT", transport)
     if verify:
         monkeypatch.setenv("QCOMM_VERIFY", verify)
     calls = counting(monkeypatch)
