@@ -452,9 +452,9 @@ def test_fp8_tensor_is_an_unscaled_clamped_cast() -> None:
     assert torch.equal(out.reshape(-1), y.reshape(-1))
 
 
-def test_fp8_tensor_may_be_the_reduce_scatter_backward() -> None:
+def test_fp8_tensor_may_be_the_reduce_scatter_backward(torchrecs_transport: None) -> None:
     # It keeps the element count, as TorchRec's all-gather needs, but its
-    # bytes cannot be summed.
+    # bytes cannot be summed (where TorchRec's transport is chosen).
     op = "pooled_embeddings_reduce_scatter"
     pair = qcomm.build_registry({op: "fp16/fp8_e4m3_tensor"})[op.upper()]
     assert pair.backward.info.name == "fp8_e4m3_tensor"

@@ -68,7 +68,7 @@ from torchrec_utils import (
 )
 
 import qcomm
-from qcomm import CodecInfo, CommOp, QuantizedCommCodecs, torchrec_exchange
+from qcomm import CodecInfo, CommOp, QuantizedCommCodecs, config, torchrec_exchange
 
 WORLD = 2
 B_LOCAL = 16
@@ -120,12 +120,14 @@ def valid_on(op: CommOp, case: str) -> bool:
     TorchRec's reduce-scatter sums the wire forward and all-gathers it
     backward into a buffer shaped like the unencoded tensor, so it takes only
     a summable forward codec and an element-wise backward one, which is what
-    ``build_registry`` accepts; the all-to-alls take any codec.
+    ``build_registry`` accepts where TorchRec's transport is chosen; the
+    all-to-alls take any codec.
     """
-    try:
-        qcomm.build_registry({op.value: spec_pair(case)})
-    except qcomm.CodecError:
-        return False
+    with config.configured(torchrec_collectives="torchrec"):
+        try:
+            qcomm.build_registry({op.value: spec_pair(case)})
+        except qcomm.CodecError:
+            return False
     return True
 
 
@@ -362,7 +364,7 @@ def _misuse(
         y, _ = _run_sharded(setup, rank, registry)
     except Exception as err:  # loud, at least: both ranks raise at the same call
         dist.barrier()
-        return {"raised": f"{type(err).__name__}: {err}"[:300], "ratio": math.inf}
+        return {"raised": f"{type(err).__name__}: {err}"[:600], "ratio": math.inf}
     # What the codec promises for each rank's message, summed over the ranks.
     bound = WORLD * _codec_error(info, ref.abs_y) + SLACK * ref.abs_y
     return {
@@ -422,6 +424,11 @@ def _worker(rank: int, world_size: int) -> dict[Any, Any]:
         if name == "ebc-table_wise":
             out[("by_host", name)] = _by_host(setup, rank, base[0])
         if name == ROW_WISE_EBC:
+            # Installed explicitly: under QCOMM_TORCHREC_COLLECTIVES=torchrec a
+            # registry installs nothing, and only an installed door refuses a
+            # pair that TorchRec's transport would sum wrong (the registry's
+            # own refusal is lifted below).
+            torchrec_exchange.install()
             for fwd, bwd in MISUSES:
                 out[("misuse", fwd, bwd)] = _misuse(setup, ref, rank, base[0], fwd, bwd)
             out[("misuse", "fp8_bitcast")] = _misuse(
