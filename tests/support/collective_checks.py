@@ -210,7 +210,7 @@ LOCAL_CODECS: dict[str, Callable[[], Any]] = {
     "test_row_int8": RowInt8Codec,
     "test_tensor_int8": TensorInt8Codec,
 }
-# The built-in codecs and the example plugin's (tests/codec_names.py; other
+# The built-in codecs and the example plugin's (tests/support/codec_names.py; other
 # installed plugins with QCOMM_TEST_PLUGINS=1): one that fails to load fails
 # its cases instead of being left out.
 CODEC_NAMES = [*LOCAL_CODECS, *suite_codecs()]

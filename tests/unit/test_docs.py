@@ -24,7 +24,7 @@ import pytest
 
 import qcomm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 # Packages whose docstrings are rendered in the docs, so their examples must run.
 PACKAGES = ("qcomm", "qcomm_builtin", "qcomm_example_codec")

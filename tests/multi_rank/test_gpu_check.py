@@ -23,7 +23,7 @@ import torch
 import qcomm
 import qcomm.collectives._transport as transport
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu_check.py"
 
 

@@ -146,7 +146,7 @@ def test_a_broken_third_party_plugin_does_not_void_the_suites(tmp_path: pathlib.
     from fake_dists import make_dist
 
     make_dist(tmp_path, "acme-broken", "acme_broken", "raise ImportError('no')\n", {"acme": "X"})
-    suites = ["tests/test_collectives.py", "tests/test_pipeline.py", "tests/test_ddp.py"]
+    suites = [f"tests/multi_rank/test_{name}.py" for name in ("collectives", "pipeline", "ddp")]
     env = {k: v for k, v in os.environ.items() if k != "QCOMM_TEST_PLUGINS"}
     plain = _collected(suites, env)
     path = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])

@@ -21,7 +21,7 @@ from fake_dists import GOOD_CODEC, activate, make_dist
 from qcomm.cli import build_parser
 from qcomm.cli import main as cli_main
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 
 MISBEHAVING = (
     GOOD_CODEC
@@ -120,7 +120,7 @@ def test_the_core_imports_no_plugin_today():
 
 
 # `qcomm list` and loading one codec import no other plugin code
-# (tests/test_registry.py covers available_codecs, load_codec and
+# (tests/unit/test_registry.py covers available_codecs, load_codec and
 # QCOMM_PLUGINS in-process).
 
 WRAPPER = textwrap.dedent(

@@ -540,7 +540,7 @@ def test_dlrm_example_runs(tmp_path):
     # A few steps of every configuration of the example: each registry and
     # dense hook works inside a real DLRM, and the outputs it documents are
     # written.
-    example = pathlib.Path(__file__).parents[1] / "examples" / "train_dlrm.py"
+    example = pathlib.Path(__file__).parents[2] / "examples" / "train_dlrm.py"
     args = ["--out", str(tmp_path), "--steps", "3", "--batch-size", "32", "--eval-batches", "1"]
     args += ["--seeds", "2", "--configs", "all"]
     done = subprocess.run(

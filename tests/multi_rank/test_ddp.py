@@ -55,7 +55,7 @@ U32 = 2.0**-24  # float32's unit roundoff
 # than a chunk (the hook's cases run with a small chunk size too).
 SIZES = (1, 7, 33, 1000, 4099)
 STEPS = 100
-# The codecs of tests/codec_names.py (the example plugin goes through the
+# The codecs of tests/support/codec_names.py (the example plugin goes through the
 # same door as the built-in ones), less int4 and fp8_e4m3_tensor, which this
 # suite's bounds were never written for.
 CODECS = ["noop", *(c for c in suite_codecs() if c not in ("fp8_e4m3_tensor", "int4"))]

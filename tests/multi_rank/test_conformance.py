@@ -22,7 +22,7 @@ from qcomm.testing import RULES, CodecReport, ConformanceError, check_codec
 
 pytest_plugins = ["pytester"]
 
-EXAMPLE_TESTS = pathlib.Path(__file__).parents[1] / "plugins" / "example_codec" / "tests"
+EXAMPLE_TESTS = pathlib.Path(__file__).parents[2] / "plugins" / "example_codec" / "tests"
 
 
 class HalfCodec:
