@@ -26,7 +26,6 @@ keeps TorchRec's transport for qcomm codecs (only the codecs change);
 
 from __future__ import annotations
 
-import collections
 import copyreg
 import functools
 import importlib.abc
@@ -44,15 +43,14 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from qcomm import _events
 from qcomm.errors import CodecError
 from qcomm.types import HostCodecs, QuantizedCommCodecs, codec_info
 
-__all__ = ["ENV", "calls", "carried", "enable", "enabled", "install", "installed", "uninstall"]
+__all__ = ["ENV", "carried", "enable", "enabled", "install", "installed", "uninstall"]
 
 #: the environment variable that chooses the transport of qcomm codecs in TorchRec
 ENV = "QCOMM_TORCHREC_COLLECTIVES"
-#: calls that ran on qcomm's exchange, by the name of TorchRec's function
-calls: collections.Counter[str] = collections.Counter()
 
 _DIST_DATA = "torchrec.distributed.dist_data"
 _COMM_OPS = "torchrec.distributed.comm_ops"
@@ -254,7 +252,7 @@ def _replacement(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             if name in _SUMMED:
                 _refuse_summed_wires(name, given["codecs"], group)
             return original(*args, **kwargs)
-        calls[name] += 1
+        _events.emit("torchrec_call", name)
         assert _awaitable_class is not None
         return _awaitable_class(*run(given, group))
 

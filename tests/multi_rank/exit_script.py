@@ -15,10 +15,26 @@ starting with ``qcomm-exit``.
 from __future__ import annotations
 
 import atexit
+import collections
 import datetime
 import gc
 import sys
+import threading
 import time
+
+from qcomm import _events  # loads no torch, registers no exit hook
+
+# What the background thread did, counted from the start (qcomm keeps no count).
+_counts: collections.Counter[str] = collections.Counter()
+_lock = threading.Lock()  # events come from the background thread too
+
+
+def _count(event: str, detail: str) -> None:
+    with _lock:
+        _counts[event] += 1
+
+
+_events.listen(_count)
 
 
 def _report() -> None:
@@ -26,8 +42,8 @@ def _report() -> None:
 
     thread = _background._thread
     stopped = thread is None or not thread.is_alive()
-    dropped = getattr(_background, "dropped", None)
-    print(f"qcomm-exit completed={_background.completed} dropped={dropped} stopped={stopped}")
+    completed, dropped = _counts["background_completed"], _counts["background_dropped"]
+    print(f"qcomm-exit completed={completed} dropped={dropped} stopped={stopped}")
 
 
 # Before qcomm's: exit hooks run last registered first.

@@ -37,6 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from codec_names import BUILTIN
+from counting import counted
 from dist_utils import run_ranks
 
 import qcomm
@@ -311,13 +312,13 @@ def _case(case: Case, rank: int) -> dict[str, Any]:
     run = RUNNERS[case.path](case, rank, codecs, gen, fwd, bwd)
     x = run.x.clone().requires_grad_(True)
     out: dict[str, Any] = {"fwd_error": None, "bwd_error": None}
-    before = sum(torchrec_exchange.calls.values())
+    before = sum(counted("torchrec_call").values())
     try:
         y = run.call(x)
     except Exception as err:
         out["fwd_error"] = _error(err)
         return out
-    out["exchange_calls"] = sum(torchrec_exchange.calls.values()) - before
+    out["exchange_calls"] = sum(counted("torchrec_call").values()) - before
     out["fwd_ratio"] = _ratio((y.detach() - run.y_ref).abs(), run.y_bound)
     try:
         (y * run.grad).sum().backward()

@@ -497,13 +497,6 @@ def test_ddp_hook(
 # What needs no peers.
 
 
-@pytest.fixture
-def one_rank() -> Any:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_arguments_are_checked_before_anything_runs() -> None:
     with pytest.raises(CodecError, match="unknown codec 'int9'"):
         qcomm.ddp_comm_hook("int9")

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from collective_checks import ForeignIdentityCodec
+from counting import counted
 from dist_utils import TRANSPORTS, RankFailure, run_ranks, transport_env, wrong_transport
 from three_ranks import (
     NaNRefusingCodec,
@@ -356,7 +357,7 @@ def dying_rank(rank: int, world: int, scenario: str) -> None:
         die_or_survive(rank, world, scenario)
     except Exception as err:
         # The survivor's error says which transports it opened.
-        raise RuntimeError(f"opened {dict(qtransport.opened)!r}") from err
+        raise RuntimeError(f"opened {dict(counted('transport_opened'))!r}") from err
 
 
 def die_or_survive(rank: int, world: int, scenario: str) -> None:

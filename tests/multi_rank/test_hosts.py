@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from counting import counted
 from dist_utils import TRANSPORTS, run_ranks, transport_env
 
 import qcomm
 from qcomm import HostCodecs, QuantizedCommCodecs, load_codec
-from qcomm.collectives import _call, _hosts, _transport
+from qcomm.collectives import _call, _hosts
 from qcomm.collectives.all_reduce import Residuals, all_reduce, granule, layout
 from qcomm.registry import load_pair
 from qcomm.specs import parse_host_spec
@@ -298,7 +299,7 @@ def by_host_checks(rank: int, world: int) -> dict[str, Any]:
     out.update(_ddp_hook(rank))
     out.update(_disagreements(rank))
     out.update(_host_names(rank))
-    out["opened"] = dict(_transport.opened)
+    out["opened"] = dict(counted("transport_opened"))
     return out
 
 

@@ -30,12 +30,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from collective_checks import ForeignIdentityCodec
+from counting import counted
 from dist_utils import TRANSPORTS, Outcome, check_case, run_outcomes, transport_env
 
 import qcomm
 from qcomm import CodecInfo, QuantizedCommCodecs
 from qcomm.awaitable import Awaitable
-from qcomm.collectives import _background, _transport, all_gather_pooled
+from qcomm.collectives import _transport, all_gather_pooled
 
 WORLD = 2
 ROWS = 64  # rows of each rank's block
@@ -111,17 +112,17 @@ def _refilled_before_wait(case: str, rank: int, world: int) -> None:
         x = values.clone()
         if rank != leader:
             store.wait([f"{case}/{leader}"], datetime.timedelta(seconds=PG_TIMEOUT))
-        completed = _background.completed
+        completed = counted("background_completed").total()
         # Holds the background thread until the peer calls (see the module).
         first = call(values.clone(), rank, world, codecs)
         pending = call(x, rank, world, codecs)
         x.copy_(values + 1000.0)  # the next batch
         if rank == leader:
-            if _background.completed != completed:
+            if counted("background_completed").total() != completed:
                 problems.append("a call completed before its peer called")
             store.set(f"{case}/{leader}", "refilled")
         reference, out = first.wait(), pending.wait()
-        ran = _background.completed - completed
+        ran = counted("background_completed").total() - completed
         if ran != (2 if background else 0):
             problems.append(f"{ran} of the 2 calls completed in the background")
         changed = (out != reference).any(dim=-1).nonzero().flatten().tolist()

@@ -20,7 +20,6 @@ also checks that its case opened the transport it names and no other.
 
 from __future__ import annotations
 
-import collections
 import functools
 import os
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from collective_checks import (
     pair,
     run_all,
 )
+from counting import counting
 from dist_utils import TRANSPORTS, Outcome, check_case, outcomes_per_world_size, transport_env
 
 import qcomm
@@ -168,9 +168,9 @@ def case_transports_agree(rank: int, world: int) -> None:
             os.environ[qtransport.ENV] = transport
             for op, call in calls.items():
                 for codec in TRANSPORT_CODECS:
-                    before = collections.Counter(qtransport.opened)
-                    results[transport, op, codec] = call(rank, world, codec, TINY, f"t-{op}")
-                    moved = dict(qtransport.opened - before)
+                    with counting("transport_opened") as opened:
+                        results[transport, op, codec] = call(rank, world, codec, TINY, f"t-{op}")
+                    moved = dict(opened)
                     if moved != {cls: 2}:
                         wrong.append(f"{op} {codec} with {transport} forced opened {moved}")
     finally:

@@ -24,10 +24,11 @@ from typing import Any
 
 import pytest
 import torch
+from counting import counted
 from dist_utils import run_ranks
 
 import qcomm
-from qcomm.collectives import _background, _buffers, _layouts, _transport
+from qcomm.collectives import _buffers, _layouts, _transport
 
 WORLD = 2
 SIZE = 64 << 20  # float32 bytes per rank
@@ -110,15 +111,17 @@ def _own_copy_order(
     setattr(_layouts, "start_exchange", recorded)  # noqa: B010
     _transport.Transport.received = waited  # type: ignore[method-assign]
     try:
-        done_before = _background.completed
+        done_before = counted("background_completed").total()
         pending = qcomm.all_to_all_pooled(x, batches, dims)
         # The background thread may have waited already: put it in order.
         events.insert(events.index("wait") if "wait" in events else len(events), "returned")
         # Not waited for: the background thread receives and decodes.
         deadline = time.monotonic() + 60
-        while _background.completed == done_before and time.monotonic() < deadline:
+        while (
+            counted("background_completed").total() == done_before and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
-        in_background = _background.completed == done_before + 1
+        in_background = counted("background_completed").total() == done_before + 1
         out = pending.wait()
     finally:
         setattr(_layouts, "start_exchange", start)  # noqa: B010

@@ -56,6 +56,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from codec_names import BUILTIN
+from counting import counted
 from dist_utils import run_ranks
 from torchrec_utils import (
     Batch,
@@ -331,7 +332,7 @@ def _case(
     pair = registry[setup.op.name]
     fwd, bwd = CountingCodec(pair.forward), CountingCodec(pair.backward)
     registry[setup.op.name] = QuantizedCommCodecs(forward=fwd, backward=bwd)
-    before = sum(torchrec_exchange.calls.values())
+    before = sum(counted("torchrec_call").values())
     y, y_step = _run_sharded(setup, rank, registry)
     fwd_bound, step_bound = _bounds(setup, ref, fwd.info, bwd.info)
     fwd_err = (y - base[0]).abs()
@@ -342,7 +343,7 @@ def _case(
         "fwd_encodes": fwd.encodes,
         "bwd_encodes": bwd.encodes,
         "padding": fwd.max_padding,
-        "exchange_calls": sum(torchrec_exchange.calls.values()) - before,
+        "exchange_calls": sum(counted("torchrec_call").values()) - before,
         "in_range": float(max(ref.y.abs().max(), ref.y_step.abs().max(), setup.grad.abs().max()))
         <= min(fwd.info.max_abs_input, bwd.info.max_abs_input),
     }
@@ -357,7 +358,7 @@ def _misuse(
         {setup.op.value: (fwd, bwd)}, allow_unsummable_reduce_scatter=True
     )
     info = qcomm.codec_info(registry[setup.op.name].forward)
-    before = sum(torchrec_exchange.calls.values())
+    before = sum(counted("torchrec_call").values())
     try:
         y, _ = _run_sharded(setup, rank, registry)
     except Exception as err:  # loud, at least: both ranks raise at the same call
@@ -368,7 +369,7 @@ def _misuse(
     return {
         "raised": None,
         "ratio": _ratio((y - base).abs(), bound[setup.local]),
-        "exchange_calls": sum(torchrec_exchange.calls.values()) - before,
+        "exchange_calls": sum(counted("torchrec_call").values()) - before,
     }
 
 
@@ -378,12 +379,12 @@ def _by_host(setup: Setup, rank: int, base: torch.Tensor) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for ranks_per_host in (1, 2):
         spec = f"same_host=noop+other_host=fp16+ranks_per_host={ranks_per_host}"
-        before = sum(torchrec_exchange.calls.values())
+        before = sum(counted("torchrec_call").values())
         y, _ = _run_sharded(setup, rank, qcomm.build_registry({setup.op.value: spec}))
         out[ranks_per_host] = {
             "exact": bool(torch.equal(y, base)),
             "as_fp16": bool(torch.equal(y, coded)),
-            "exchange_calls": sum(torchrec_exchange.calls.values()) - before,
+            "exchange_calls": sum(counted("torchrec_call").values()) - before,
         }
     out["fp16_differs"] = not torch.equal(coded, base)
     return out

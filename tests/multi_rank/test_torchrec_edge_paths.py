@@ -8,8 +8,8 @@ TorchRec's own transport) kept from the first call on, whatever
 
 Every case goes through the module TorchRec's sharded modules use
 (``torchrec.distributed.dist_data``) with a qcomm registry of no-op codecs,
-forward and backward, on qcomm's exchange (each call counted in
-``torchrec_exchange.calls`` under the name of the function it replaced) and
+forward and backward, on qcomm's exchange (each call counted, by the
+``torchrec_call`` event, under the name of the function it replaced) and
 on TorchRec's own functions (put back with ``uninstall``), and compares the
 bits. TorchRec's reduce-scatter-v paths fail on gloo (an all-gather of
 uneven sizes), and gloo's own reduce-scatter sums in ring order, so for the
@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from counting import counted
 from dist_utils import TRANSPORTS, Outcome, check_case, outcomes_per_world_size, transport_env
 
 import qcomm
@@ -69,13 +70,13 @@ def _run(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
     """Forward, then backward with a random gradient; the output, the input's
     gradient and the calls counted on qcomm's exchange meanwhile."""
-    before = torchrec_exchange.calls.copy()
+    before = counted("torchrec_call").copy()
     x = x.clone().requires_grad_(True)
     y = call(x)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(grad_seed))
     y.backward(g)
     assert x.grad is not None
-    return y.detach(), x.grad, dict(torchrec_exchange.calls - before)
+    return y.detach(), x.grad, dict(counted("torchrec_call") - before)
 
 
 def _both_doors(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, name: str) -> None:
@@ -172,13 +173,13 @@ def _reduce_scatter(
     xs = [torch.randn(sum(splits), dim, generator=_gen(r, case)) for r in range(world)]
     gs = [torch.randn(splits[r], dim, generator=_gen(r + 100, case)) for r in range(world)]
     rs = PooledEmbeddingsReduceScatter(dist.group.WORLD, codecs=_codecs(RS))
-    before = torchrec_exchange.calls.copy()
+    before = counted("torchrec_call").copy()
     x = xs[rank].clone().requires_grad_(True)
     y = rs(x, splits if given else None).wait()
     y.backward(gs[rank])
-    counted = dict(torchrec_exchange.calls - before)
+    ran = dict(counted("torchrec_call") - before)
     divide = world if get_gradient_division() else 1
-    assert counted == {name: 1}, counted
+    assert ran == {name: 1}, ran
     want = _in_rank_order([t[lo : lo + splits[rank]] for t in xs])
     assert torch.equal(y, want), f"not the sum in rank order: off by {(y - want).abs().max()}"
     assert x.grad is not None and torch.equal(x.grad, torch.cat(gs) / divide)
@@ -213,13 +214,13 @@ def reduce_scatter_v_per_feature(rank: int, world: int) -> None:
     xs = [torch.randn(sum(sizes), generator=_gen(r, case)) for r in range(world)]
     gs = [torch.randn(sizes[r], generator=_gen(r + 100, case)) for r in range(world)]
     rs = VariableBatchPooledEmbeddingsReduceScatter(dist.group.WORLD, codecs=_codecs(RS))
-    before = torchrec_exchange.calls.copy()
+    before = counted("torchrec_call").copy()
     x = xs[rank].clone().requires_grad_(True)
     y = rs(x, batch, dims).wait()
     y.backward(gs[rank])
-    counted = dict(torchrec_exchange.calls - before)
+    ran = dict(counted("torchrec_call") - before)
     divide = world if get_gradient_division() else 1
-    assert counted == {"reduce_scatter_v_per_feature_pooled": 1}, counted
+    assert ran == {"reduce_scatter_v_per_feature_pooled": 1}, ran
     want = _in_rank_order([t[lo : lo + sizes[rank]] for t in xs])
     assert torch.equal(y, want), f"not the sum in rank order: off by {(y - want).abs().max()}"
     assert x.grad is not None and torch.equal(x.grad, torch.cat(gs) / divide)
@@ -315,7 +316,7 @@ def door_read_once(rank: int, world: int) -> None:
     counts: list[int] = []
 
     def count() -> None:
-        counts.append(torchrec_exchange.calls["alltoall_pooled"])
+        counts.append(counted("torchrec_call")["alltoall_pooled"])
 
     torchrec_exchange.uninstall()
     torchrec_exchange.install()

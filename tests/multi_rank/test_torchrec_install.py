@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from counting import counted
 from dist_utils import TRANSPORTS, run_ranks, transport_env
 
 import qcomm
@@ -91,10 +92,10 @@ def _spawned(rank: int, world_size: int, registry: dict[str, Any]) -> dict[str, 
     from torchrec.distributed import dist_data  # noqa: F401  (TorchRec imported in the rank)
 
     out: dict[str, Any] = {"installed": torchrec_exchange.installed()}
-    before = sum(torchrec_exchange.calls.values())
+    before = sum(counted("torchrec_call").values())
     out["pooled"] = {str(m): _pooled(registry, rank, m) for m in GROUPS}
     out["reduce_scatter"] = _reduce_scatter(registry, rank)
-    out["calls"] = sum(torchrec_exchange.calls.values()) - before
+    out["calls"] = sum(counted("torchrec_call").values()) - before
     return out
 
 
@@ -205,7 +206,7 @@ def _on_torchrecs_transport(rank: int, world_size: int) -> dict[str, str]:
         except qcomm.CodecError as err:
             out[spec] = str(err)
     out["installed"] = str(torchrec_exchange.installed())
-    out["calls"] = str(sum(torchrec_exchange.calls.values()))
+    out["calls"] = str(sum(counted("torchrec_call").values()))
     return out
 
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from counting import counted
 from dist_utils import run_ranks
 from torchrec_utils import cpu_sharders
 
 import qcomm
-from qcomm import torchrec_exchange
 
 pytest.importorskip("torchrec")
 
@@ -116,7 +116,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         opt.step()
         plain.append(float(loss.detach()))
     model, opt = _model(rank)
-    before = dict(torchrec_exchange.calls)
+    before = dict(counted("torchrec_call"))
     pipeline = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
     batches = iter(_batches(rank))
     piped = []
@@ -126,7 +126,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         except StopIteration:
             break
         piped.append(float(output[0]))
-    calls = {k: v - before.get(k, 0) for k, v in torchrec_exchange.calls.items()}
+    calls = {k: v - before.get(k, 0) for k, v in counted("torchrec_call").items()}
     return {"plain": plain, "piped": piped, "calls": calls}
 
 

@@ -38,7 +38,6 @@ test can prove it ran on the transport it names (:func:`check_case`).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import datetime
 import multiprocessing
@@ -53,6 +52,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
+from counting import counting
 
 from qcomm.collectives import _transport
 
@@ -266,17 +266,17 @@ def _each_case(
     """Every case on one rank, its outcome and the transports it opened (see :func:`run_cases`)."""
     outcome: dict[str, tuple[str | None, dict[str, int]]] = {}
     for i, case in enumerate(cases):
-        before = collections.Counter(_transport.opened)
-        try:
-            run(case, rank, world)
-            outcome[case] = (None, dict(_transport.opened - before))
-        except Exception as err:
-            outcome[case] = (traceback.format_exc(), dict(_transport.opened - before))
-            if isinstance(err, AssertionError) and not stop:
-                continue
-            for later in cases[i + 1 :]:
-                outcome[later] = (f"not run: case {case} raised on rank {rank}", {})
-            break
+        with counting("transport_opened") as opened:
+            try:
+                run(case, rank, world)
+                outcome[case] = (None, dict(opened))
+            except Exception as err:
+                outcome[case] = (traceback.format_exc(), dict(opened))
+                if isinstance(err, AssertionError) and not stop:
+                    continue
+                for later in cases[i + 1 :]:
+                    outcome[later] = (f"not run: case {case} raised on rank {rank}", {})
+                break
     return outcome
 
 

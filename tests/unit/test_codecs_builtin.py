@@ -54,14 +54,6 @@ MODULES += ["qcomm_builtin.half", "qcomm_builtin.int8", "qcomm_builtin.fp8"]
 MODULES += ["qcomm_builtin._native", "qcomm_builtin.fp8_tensor"]
 
 
-@pytest.fixture(params=["fbgemm", "torch"])
-def int8_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    r"""Runs a test with fbgemm's kernels allowed and with the torch fallback forced."""
-    if request.param == "torch":
-        monkeypatch.setenv("QCOMM_DISABLE_FBGEMM", "1")
-    return str(request.param)
-
-
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 

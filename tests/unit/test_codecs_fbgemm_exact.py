@@ -66,14 +66,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-@pytest.fixture(params=["fbgemm", "torch"])
-def int8_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    r"""Runs a test with fbgemm's kernel and with qcomm's torch fallback forced."""
-    if request.param == "torch":
-        monkeypatch.setenv("QCOMM_DISABLE_FBGEMM", "1")
-    return str(request.param)
-
-
 # -- fp16, bf16 -----------------------------------------------------------------
 
 

@@ -4,7 +4,7 @@ backward, and the all-reduce, on both transports, call no backend operation
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
 from typing import Any
 
 import pytest
@@ -14,15 +14,6 @@ import torch.distributed as dist
 import qcomm
 from qcomm.collectives import _transport
 from qcomm.collectives.all_reduce import all_reduce
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -50,13 +41,16 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 @pytest.mark.parametrize("transport", ["point_to_point", "all_to_all"])
 @pytest.mark.parametrize("verify", [None, "1"])
 def test_no_communication_at_world_size_one(
-    one_rank: None, monkeypatch: pytest.MonkeyPatch, transport: str, verify: str | None
+    one_rank: None,
+    transports_opened: collections.Counter[str],
+    monkeypatch: pytest.MonkeyPatch,
+    transport: str,
+    verify: str | None,
 ) -> None:
     monkeypatch.setenv(_transport.ENV, transport)
     if verify:
         monkeypatch.setenv("QCOMM_VERIFY", verify)
     calls = counting(monkeypatch)
-    before = _transport.opened.copy()
     int8 = qcomm.QuantizedCommCodecs(
         forward=qcomm.load_codec("int8"), backward=qcomm.load_codec("int8")
     )
@@ -74,6 +68,6 @@ def test_no_communication_at_world_size_one(
     all_reduce(buffer, reduce_codec=qcomm.load_codec("int8"), average=True)
     assert buffer.equal(torch.arange(64.0)), "one rank's all-reduce is the identity"
     kind = "PointToPoint" if transport == "point_to_point" else "OneAllToAll"
-    opened = _transport.opened - before
+    opened = transports_opened
     assert opened[kind] >= 12 and len(opened) == 1, f"calls did not take {kind}: {opened}"
     assert calls == [], f"world size 1 communicated: {calls}"
