@@ -4,10 +4,12 @@ they import are in ``support/``)."""
 from __future__ import annotations
 
 import collections
+import pathlib
 from collections.abc import Iterator
 
 import pytest
 from counting import counting
+from fake_dists import GOOD_CODEC, activate, make_dist
 
 
 @pytest.fixture
@@ -36,3 +38,38 @@ def transports_opened() -> Iterator[collections.Counter[str]]:
     with counting("transport_opened") as opened:
         yield opened
 
+
+@pytest.fixture
+def plugins(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
+    """Four throw-away distributions on ``sys.path``: a good one, one with a
+    factory that returns no codec, a broken one, and one whose factory fails;
+    their modules record that they were imported."""
+    monkeypatch.delenv("QCOMM_PLUGINS", raising=False)
+    monkeypatch.delenv("QCOMM_CODECS", raising=False)
+    make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"})
+    make_dist(
+        tmp_path,
+        "other-codecs",
+        "other_mod",
+        GOOD_CODEC,
+        {"other": "Codec", "notacodec": "make_plain"},
+        version="2.5",
+    )
+    with (tmp_path / "other_mod.py").open("a") as f:
+        f.write("\ndef make_plain():\n    return object()\n")
+    make_dist(
+        tmp_path,
+        "broken-codecs",
+        "broken_mod",
+        "import no_such_dependency_xyz\n",
+        {"broken": "Codec"},
+    )
+    make_dist(
+        tmp_path,
+        "angry-codecs",
+        "angry_mod",
+        "def Codec(**kw):\n    raise RuntimeError('no GPU found')\n",
+        {"angry": "Codec"},
+    )
+    activate(tmp_path, monkeypatch)
+    return tmp_path

@@ -10,7 +10,7 @@ import os
 import qcomm
 
 #: the codecs the qcomm distribution registers, no-op aside
-#: (tests/unit/test_registry.py holds this list to pyproject.toml's entry points)
+#: (tests/unit/test_discovery.py holds this list to pyproject.toml's entry points)
 BUILTIN = ["bf16", "fp16", "fp8_e4m3", "fp8_e4m3_tensor", "fp8_e5m2", "int4", "int8", "mx4"]
 #: the example out-of-tree plugin under plugins/example_codec
 EXAMPLE = "example_fp16_scaled"

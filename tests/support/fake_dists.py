@@ -6,6 +6,7 @@ import importlib
 import pathlib
 import sys
 import textwrap
+from typing import Any
 
 # A minimal codec that follows the contract, for fake plugins to expose.
 GOOD_CODEC = textwrap.dedent(
@@ -69,3 +70,10 @@ def activate(root: pathlib.Path, monkeypatch) -> None:  # noqa: ANN001 - pytest 
     importlib.invalidate_caches()
     for path in root.glob("*.py"):
         monkeypatch.delitem(sys.modules, path.stem, raising=False)
+
+
+def load_good(spec: str, **options: Any) -> Any:
+    """``load_codec`` for :data:`GOOD_CODEC`, whose ``scale`` and ``tag`` mypy cannot see."""
+    import qcomm
+
+    return qcomm.load_codec(spec, **options)

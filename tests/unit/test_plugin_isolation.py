@@ -120,7 +120,7 @@ def test_the_core_imports_no_plugin_today():
 
 
 # `qcomm list` and loading one codec import no other plugin code
-# (tests/unit/test_registry.py covers available_codecs, load_codec and
+# (tests/unit/test_discovery.py covers available_codecs, load_codec and
 # QCOMM_PLUGINS in-process).
 
 WRAPPER = textwrap.dedent(
