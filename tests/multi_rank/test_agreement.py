@@ -31,6 +31,7 @@ from three_ranks import (
     exact_on,
     in_step,
     raises,
+    runs,
     with_env,
 )
 
@@ -583,17 +584,49 @@ def case_all_reduce_mistakes(rank: int, world: int) -> None:
     in_step(rank, world, "all-reduce-mistakes")
 
 
-CASES: dict[str, Callable[[int, int], None]] = {
-    "disagreement": case_disagreement,
-    "verification_modes": case_verification_modes,
-    "codec_options": case_codec_options,
-    "after_first_call": case_after_first_call,
-    "codec_differs_later": case_codec_differs_later,
-    "all_reduce_mistakes": case_all_reduce_mistakes,
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_multi_rank(transport: str, case: str, request: pytest.FixtureRequest) -> None:
-    check(request, transport, case)
+@runs(case_disagreement)
+def test_ranks_that_make_different_calls_all_raise_naming_the_difference(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@runs(case_verification_modes)
+def test_qcomm_verify_says_when_the_agreement_exchange_runs(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@runs(case_codec_options)
+def test_codecs_that_differ_only_in_an_option_are_caught(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@runs(case_after_first_call)
+def test_headers_catch_splits_codecs_and_wire_sizes_that_differ_on_every_call(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@runs(case_codec_differs_later)
+def test_a_later_codec_change_of_the_same_wire_size_raises_on_every_rank(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@runs(case_all_reduce_mistakes)
+def test_all_reduce_calls_that_differ_or_fail_on_one_rank_raise_on_every_rank(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)

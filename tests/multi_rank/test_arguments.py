@@ -32,7 +32,7 @@ from collective_checks import (
     run_all,
 )
 from dist_utils import TRANSPORTS
-from three_ranks import both, check, in_step, with_env
+from three_ranks import both, check, in_step, runs, with_env
 
 import qcomm
 from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
@@ -263,15 +263,33 @@ def case_memory_and_waits(rank: int, world: int) -> None:
     in_step(rank, world, "memory")
 
 
-CASES: dict[str, Callable[[int, int], None]] = {
-    "arguments": case_arguments,
-    "lying_codecs": case_lying_codecs,
-    "layouts": case_layouts,
-    "memory_and_waits": case_memory_and_waits,
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_multi_rank(transport: str, case: str, request: pytest.FixtureRequest) -> None:
-    check(request, transport, case)
+@runs(case_arguments)
+def test_bad_arguments_are_named_before_anything_is_sent(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@runs(case_lying_codecs)
+def test_codecs_that_lie_about_their_sizes_are_named(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@runs(case_layouts)
+def test_sequence_inputs_and_gradients_of_any_layout_and_uneven_splits(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@runs(case_memory_and_waits)
+def test_the_graph_keeps_no_input_alive_and_a_failed_wait_stays_failed(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)

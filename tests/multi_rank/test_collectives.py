@@ -411,20 +411,26 @@ def case_lying_codecs(rank: int, world: int) -> None:
 
 
 CASES: dict[str, Callable[[int, int], None]] = {
-    "noop": case_noop,
-    "noop_dtypes_and_division": case_noop_dtypes_and_division,
-    "foreign_identity": case_foreign_identity,
-    "overlapped": case_overlapped,
-    "buffer_reuse": case_buffer_reuse,
-    "validation": case_validation,
-    "lying_codecs": case_lying_codecs,
-    "all_gather_exact_and_checked": case_all_gather_exact_and_checked,
+    f.__name__: f
+    for f in (
+        case_noop,
+        case_noop_dtypes_and_division,
+        case_foreign_identity,
+        case_overlapped,
+        case_buffer_reuse,
+        case_validation,
+        case_lying_codecs,
+        case_all_gather_exact_and_checked,
+    )
 }
 CODEC_CASES: dict[str, Callable[[int, int, str], None]] = {
-    "pooled": case_codec_pooled,
-    "reduce_scatter": case_codec_reduce_scatter,
-    "sequence": case_codec_sequence,
-    "all_gather": case_codec_all_gather,
+    f.__name__: f
+    for f in (
+        case_codec_pooled,
+        case_codec_reduce_scatter,
+        case_codec_sequence,
+        case_codec_all_gather,
+    )
 }
 CASE_IDS = [*CASES, *(f"{op}[{codec}]" for codec in CODEC_NAMES for op in CODEC_CASES)]
 
@@ -437,8 +443,11 @@ def run_case(case: str, rank: int, world: int) -> None:
     CODEC_CASES[op](rank, world, codec)
 
 
+Spawned = dict[str, Callable[[int], dict[str, Outcome]]]
+
+
 @pytest.fixture(scope="module")
-def spawned() -> dict[str, Callable[[int], dict[str, Outcome]]]:
+def spawned() -> Spawned:
     """Runs every case once per transport and world size, on first use, and remembers the outcome."""
     return {
         transport: outcomes_per_world_size(
@@ -448,14 +457,113 @@ def spawned() -> dict[str, Callable[[int], dict[str, Outcome]]]:
     }
 
 
-@pytest.mark.parametrize("case", CASE_IDS)
+def check(
+    spawned: Spawned, transport: str, world: int, case: Callable[..., None], *codec: str
+) -> None:
+    """Fails the calling test with ``case``'s tracebacks (on ``codec`` where given),
+    or unless every rank opened ``transport`` only."""
+    name = f"{case.__name__}[{codec[0]}]" if codec else case.__name__
+    check_case(spawned[transport](world)[name], f"{name} on {world} ranks, {transport}", transport)
+
+
+# Each test checks its case of the spawn, on each transport and world size.
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_collectives(
-    transport: str,
-    world: int,
-    case: str,
-    spawned: dict[str, Callable[[int], dict[str, Outcome]]],
+def test_every_collective_without_codecs_is_exact(
+    transport: str, world: int, spawned: Spawned
 ) -> None:
-    outcome = spawned[transport](world)[case]
-    check_case(outcome, f"{case} on {world} ranks, {transport}", transport)
+    check(spawned, transport, world, case_noop)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_without_codecs_half_dtypes_travel_as_they_are_and_gradients_divide(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_noop_dtypes_and_division)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_codec_without_info_is_exact_through_the_all_to_all_and_a_float32_sum(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_foreign_identity)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_overlapped_calls_waited_in_reverse_order_match_sequential_ones(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_overlapped)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_reused_receive_buffers_never_mix_calls(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_buffer_reuse)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_invalid_arguments_are_refused_naming_the_argument(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_validation)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_codecs_that_lie_about_their_sizes_are_caught(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_lying_codecs)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_all_gather_is_exact_and_its_first_call_checked(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_all_gather_exact_and_checked)
+
+
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_pooled_all_to_all_is_within_the_codecs_bound(
+    transport: str, world: int, codec: str, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_codec_pooled, codec)
+
+
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_reduce_scatter_is_within_the_codecs_bound(
+    transport: str, world: int, codec: str, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_codec_reduce_scatter, codec)
+
+
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sequence_all_to_all_is_within_the_codecs_bound(
+    transport: str, world: int, codec: str, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_codec_sequence, codec)
+
+
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_all_gather_is_within_the_codecs_bound(
+    transport: str, world: int, codec: str, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_codec_all_gather, codec)

@@ -445,19 +445,24 @@ def case_narrow_buffers(rank: int, world: int) -> None:
 
 
 CASES: dict[str, Callable[[int, int], None]] = {
-    "ddp": case_ddp,
-    "state": case_state,
-    "disagreement": case_disagreement,
-    "all_reduce_sum": case_all_reduce_sum,
-    "narrow_buffers": case_narrow_buffers,
-    "overlap": case_overlap,
-    "overlap_failure": case_overlap_failure,
+    f.__name__: f
+    for f in (
+        case_ddp,
+        case_state,
+        case_disagreement,
+        case_all_reduce_sum,
+        case_narrow_buffers,
+        case_overlap,
+        case_overlap_failure,
+    )
 }
-CODEC_CASES: dict[str, Callable[[int, int, str], None]] = {"hook": case_hook}
+CODEC_CASES: dict[str, Callable[[int, int, str], None]] = {
+    f.__name__: f for f in (case_hook, case_feedback)
+}
 CASE_IDS = [
     *CASES,
-    *(f"hook[{c}]" for c in CODECS),
-    *(f"feedback[{c}]" for c in FEEDBACK),
+    *(f"case_hook[{c}]" for c in CODECS),
+    *(f"case_feedback[{c}]" for c in FEEDBACK),
 ]
 
 
@@ -466,11 +471,14 @@ def run_case(case: str, rank: int, world: int) -> None:
         CASES[case](rank, world)
         return
     kind, codec = case.rstrip("]").split("[")
-    (case_hook if kind == "hook" else case_feedback)(rank, world, codec)
+    CODEC_CASES[kind](rank, world, codec)
+
+
+Spawned = dict[str, Callable[[int], dict[str, Outcome]]]
 
 
 @pytest.fixture(scope="module")
-def spawned() -> dict[str, Callable[[int], dict[str, Outcome]]]:
+def spawned() -> Spawned:
     """Runs every case once per transport and world size, on first use."""
     return {
         transport: outcomes_per_world_size(
@@ -480,17 +488,90 @@ def spawned() -> dict[str, Callable[[int], dict[str, Outcome]]]:
     }
 
 
-@pytest.mark.parametrize("case", CASE_IDS)
+def check(
+    spawned: Spawned, transport: str, world: int, case: Callable[..., None], *codec: str
+) -> None:
+    """Fails the calling test with ``case``'s tracebacks (on ``codec`` where given),
+    or unless every rank opened ``transport`` only."""
+    name = f"{case.__name__}[{codec[0]}]" if codec else case.__name__
+    check_case(spawned[transport](world)[name], f"{name} on {world} ranks, {transport}", transport)
+
+
+# Each test checks its case of the spawn, on each transport and world size.
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_ddp_hook(
-    transport: str,
-    world: int,
-    case: str,
-    spawned: dict[str, Callable[[int], dict[str, Outcome]]],
+def test_ddp_with_uneven_and_rebuilt_buckets_matches_the_mean_within_the_bound(
+    transport: str, world: int, spawned: Spawned
 ) -> None:
-    outcome = spawned[transport](world)[case]
-    check_case(outcome, f"{case} on {world} ranks, {transport}", transport)
+    check(spawned, transport, world, case_ddp)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_state_saved_loaded_or_pickled_continues_bit_for_bit_and_resets_on_a_new_layout(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_state)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ranks_whose_hooks_differ_all_raise_without_waiting(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_disagreement)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_all_reduce_under_the_hook_sums_with_two_codecs_and_residuals(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_all_reduce_sum)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_half_precision_buckets_sum_in_float32_and_round_once(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_narrow_buffers)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_hook_returns_before_its_bucket_is_reduced_and_matches_the_synchronous_result(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_overlap)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_codec_failing_in_the_worker_fails_every_ranks_backward_pass_promptly(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_overlap_failure)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_hook_is_within_the_codecs_bound_with_and_without_feedback_and_chunks(
+    transport: str, world: int, codec: str, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_hook, codec)
+
+
+@pytest.mark.parametrize("codec", FEEDBACK)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_error_feedback_keeps_the_sum_of_steps_within_one_steps_bound(
+    transport: str, world: int, codec: str, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, case_feedback, codec)
 
 
 # --------------------------------------------------------------------------

@@ -297,11 +297,8 @@ def case_linear(rank: int, world: int) -> None:
 
 
 CASES: dict[str, Callable[[int, int], None]] = {
-    "nonfinite": case_nonfinite,
-    "two_modules": case_two_modules,
-    "resume": case_resume,
-    "linear": case_linear,
-    "codec_change": case_codec_change,
+    f.__name__: f
+    for f in (case_nonfinite, case_two_modules, case_resume, case_linear, case_codec_change)
 }
 
 
@@ -309,19 +306,57 @@ def run_case(case: str, rank: int, world: int) -> None:
     CASES[case](rank, world)
 
 
+Spawned = Callable[[int], dict[str, Any]]
+
+
 @pytest.fixture(scope="module")
-def spawned() -> Callable[[int], dict[str, Any]]:
+def spawned() -> Spawned:
     """Runs every case once per world size, on first use."""
     return per_world_size(run_case, list(CASES), timeout=600.0, pg_timeout=30.0)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_ddp_state(world: int, case: str, spawned: Callable[[int], dict[str, Any]]) -> None:
-    outcome = spawned(world)[case]
+def check(spawned: Spawned, world: int, case: Callable[[int, int], None]) -> None:
+    """Fails the calling test with ``case``'s tracebacks on ``world`` ranks."""
+    outcome = spawned(world)[case.__name__]
     failure = getattr(outcome, "failure", outcome)  # an Outcome, or the text itself
     if failure:
-        pytest.fail(f"{case} on {world} ranks:\n{failure}", pytrace=False)
+        pytest.fail(f"{case.__name__} on {world} ranks:\n{failure}", pytrace=False)
+
+
+# Each test checks its case of the spawn, on each world size.
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_a_gradient_that_overflowed_on_one_rank_is_non_finite_on_every_rank(
+    world: int, spawned: Spawned
+) -> None:
+    check(spawned, world, case_nonfinite)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_one_hook_on_two_modules_keeps_each_modules_residuals_apart(
+    world: int, spawned: Spawned
+) -> None:
+    check(spawned, world, case_two_modules)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_restored_residuals_are_used_from_the_first_resumed_step(
+    world: int, spawned: Spawned
+) -> None:
+    check(spawned, world, case_resume)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_a_linear_layer_restored_on_a_new_ddp_module_resumes_its_residuals(
+    world: int, spawned: Spawned
+) -> None:
+    check(spawned, world, case_linear)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_restored_residuals_are_used_under_another_codec(world: int, spawned: Spawned) -> None:
+    check(spawned, world, case_codec_change)
 
 
 # --------------------------------------------------------------------------

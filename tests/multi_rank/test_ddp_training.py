@@ -355,23 +355,27 @@ def case_resume_rest(rank: int, world: int) -> None:
 
 
 CASES: dict[str, Callable[[int, int], None]] = {
-    "shared_codec_ddp": case_shared_codec_ddp,
-    "shared_codec_threads": case_shared_codec_threads,
-    "bf16_feedback": case_bf16_feedback,
-    "resume_whole": case_resume_whole,
+    f.__name__: f
+    for f in (
+        case_shared_codec_ddp,
+        case_shared_codec_threads,
+        case_bf16_feedback,
+        case_resume_whole,
+    )
 }
 # In a spawn of their own, after the others.
-LATER: dict[str, Callable[[int, int], None]] = {"resume_rest": case_resume_rest}
+LATER: dict[str, Callable[[int, int], None]] = {case_resume_rest.__name__: case_resume_rest}
 
 
 def run_case(case: str, rank: int, world: int) -> None:
     {**CASES, **LATER}[case](rank, world)
 
 
+Spawned = dict[str, Callable[[], dict[str, Outcome]]]
+
+
 @pytest.fixture(scope="module")
-def spawned(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> dict[str, Callable[[], dict[str, Outcome]]]:
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> Spawned:
     """Per transport, on first use: every case in one spawn, then the later
     cases in another (fresh processes), which read what the first saved."""
     cache: dict[str, dict[str, Outcome] | BaseException] = {}
@@ -394,9 +398,42 @@ def spawned(
     return {t: functools.partial(outcomes, t) for t in TRANSPORTS}
 
 
-@pytest.mark.parametrize("case", [*CASES, *LATER])
+def check(spawned: Spawned, transport: str, case: Callable[[int, int], None]) -> None:
+    """Fails the calling test with ``case``'s tracebacks, or unless every rank
+    opened ``transport`` only."""
+    name = case.__name__
+    check_case(spawned[transport]()[name], f"{name} on {WORLD} ranks, {transport}", transport)
+
+
+# Each test checks its case of the spawns, on each transport.
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_ddp_training(
-    transport: str, case: str, spawned: dict[str, Callable[[], dict[str, Outcome]]]
+def test_one_codec_shared_by_two_ddp_modules_reducing_at_once(
+    transport: str, spawned: Spawned
 ) -> None:
-    check_case(spawned[transport]()[case], f"{case} on {WORLD} ranks, {transport}", transport)
+    check(spawned, transport, case_shared_codec_ddp)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_one_codec_shared_by_all_reduces_on_two_threads(transport: str, spawned: Spawned) -> None:
+    check(spawned, transport, case_shared_codec_threads)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_error_feedback_on_bfloat16_keeps_the_applied_sum_within_the_residuals(
+    transport: str, spawned: Spawned
+) -> None:
+    check(spawned, transport, case_bf16_feedback)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_training_in_one_go_saves_its_checkpoint_half_way(transport: str, spawned: Spawned) -> None:
+    check(spawned, transport, case_resume_whole)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_training_resumed_in_a_fresh_process_matches_training_in_one_go(
+    transport: str, spawned: Spawned
+) -> None:
+    check(spawned, transport, case_resume_rest)

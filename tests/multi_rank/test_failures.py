@@ -36,6 +36,7 @@ from three_ranks import (
     exact_on,
     in_step,
     raises,
+    runs,
     with_env,
 )
 
@@ -321,17 +322,28 @@ def case_not_caught_by_default(rank: int, world: int) -> None:
     in_step(rank, world, "not-caught")
 
 
-CASES: dict[str, Callable[[int, int], None]] = {
-    "one_rank_fails": case_one_rank_fails,
-    "codec_fails_after_first_call": case_codec_fails_after_first_call,
-    "not_caught_by_default": case_not_caught_by_default,
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_multi_rank(transport: str, case: str, request: pytest.FixtureRequest) -> None:
-    check(request, transport, case)
+@runs(case_one_rank_fails)
+def test_a_failure_on_one_rank_makes_every_rank_raise_promptly(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@runs(case_codec_fails_after_first_call)
+def test_a_codec_failing_after_the_first_call_raises_on_every_rank(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@runs(case_not_caught_by_default)
+def test_after_the_first_call_a_decode_failure_stays_local_and_bad_arguments_wait_for_the_timeout(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    check(request, transport)
 
 
 # --------------------------------------------------------------------------

@@ -311,21 +311,17 @@ CASES_ON = {
         for world in WORLD_SIZES
     },
 }
-PARAMS = [
-    (transport, world, case)
-    for transport in TRANSPORTS
-    for world in WORLD_SIZES
-    for case in CASES_ON[transport][world]
-    if case != "transports_agree"
-]
 
 
 def run_case(name: str, rank: int, world: int) -> None:
     CASES[name](rank, world)
 
 
+Spawned = Callable[[str, int], dict[str, Outcome]]
+
+
 @pytest.fixture(scope="module")
-def spawned() -> Callable[[str, int], dict[str, Outcome]]:
+def spawned() -> Spawned:
     """One spawn per transport and world size, on first use, its outcome remembered."""
     runs = {
         (transport, world): outcomes_per_world_size(
@@ -337,17 +333,59 @@ def spawned() -> Callable[[str, int], dict[str, Outcome]]:
     return lambda transport, world: runs[transport, world](world)
 
 
-@pytest.mark.parametrize(("transport", "world", "case"), PARAMS)
-def test_pipeline(
-    transport: str, world: int, case: str, spawned: Callable[[str, int], dict[str, Outcome]]
-) -> None:
+def spawns_of(case: str) -> pytest.MarkDecorator:
+    """Parametrizes a test by the transports and world sizes whose spawns run ``case``."""
+    return pytest.mark.parametrize(
+        ("transport", "world"),
+        [(t, w) for t in TRANSPORTS for w in WORLD_SIZES if case in CASES_ON[t][w]],
+    )
+
+
+def check(spawned: Spawned, transport: str, world: int, case: str) -> None:
+    """Fails the calling test with ``case``'s tracebacks, or unless every rank
+    opened ``transport`` only."""
     check_case(spawned(transport, world)[case], f"{case} on {world} ranks, {transport}", transport)
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_transports_give_the_same_bits(
-    world: int, spawned: Callable[[str, int], dict[str, Outcome]]
+# Each test checks its case of the spawns that run it.
+
+
+@spawns_of("noop")
+def test_chunked_calls_without_codecs_give_the_bits_of_whole_ones(
+    transport: str, world: int, spawned: Spawned
 ) -> None:
+    check(spawned, transport, world, "noop")
+
+
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+@spawns_of(f"chunking[{CODEC_NAMES[0]}]")
+def test_chunked_calls_with_a_codec_give_the_bits_of_whole_ones(
+    transport: str, world: int, codec: str, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, f"chunking[{codec}]")
+
+
+@spawns_of("automatic_chunks")
+def test_a_large_call_is_cut_in_automatic_chunks(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, "automatic_chunks")
+
+
+@spawns_of("failure_half_way")
+def test_a_failure_half_way_through_a_call_leaves_the_group_usable(
+    transport: str, world: int, spawned: Spawned
+) -> None:
+    check(spawned, transport, world, "failure_half_way")
+
+
+@spawns_of("chunk_bytes_checked")
+def test_chunk_bytes_is_checked(transport: str, world: int, spawned: Spawned) -> None:
+    check(spawned, transport, world, "chunk_bytes_checked")
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_transports_give_the_same_bits(world: int, spawned: Spawned) -> None:
     outcome = spawned("point_to_point", world)["transports_agree"]
     check_case(outcome, f"transports_agree on {world} ranks", None)
     # Counted by the case call by call; here, that each rank opened both.

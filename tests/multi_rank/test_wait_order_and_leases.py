@@ -134,9 +134,8 @@ def case_stochastic_mx4_seeded_per_rank(rank: int, world: int) -> None:
 
 
 CASES: dict[str, Callable[[int, int], None]] = {
-    "wait_order": case_wait_order,
-    "no_gradient_on_one_rank": case_no_gradient_on_one_rank,
-    "stochastic_mx4_seeded_per_rank": case_stochastic_mx4_seeded_per_rank,
+    f.__name__: f
+    for f in (case_wait_order, case_no_gradient_on_one_rank, case_stochastic_mx4_seeded_per_rank)
 }
 
 
@@ -156,11 +155,28 @@ def spawned() -> dict[str, str | None]:
     )
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_multi_rank(case: str, spawned: dict[str, str | None]) -> None:
-    failure = spawned[case]
-    if failure:
-        pytest.fail(f"{case} on {WORLD} ranks:\n{failure}", pytrace=False)
+def check(spawned: dict[str, str | None], case: Callable[[int, int], None]) -> None:
+    """Fails the calling test with ``case``'s tracebacks."""
+    if failure := spawned[case.__name__]:
+        pytest.fail(f"{case.__name__} on {WORLD} ranks:\n{failure}", pytrace=False)
+
+
+def test_outputs_waited_in_other_orders_do_not_swap_backward_passes(
+    spawned: dict[str, str | None],
+) -> None:
+    check(spawned, case_wait_order)
+
+
+def test_a_rank_without_tables_or_with_frozen_ones_still_runs_the_backward(
+    spawned: dict[str, str | None],
+) -> None:
+    check(spawned, case_no_gradient_on_one_rank)
+
+
+def test_stochastic_mx4_agrees_across_ranks_whatever_their_seeds(
+    spawned: dict[str, str | None],
+) -> None:
+    check(spawned, case_stochastic_mx4_seeded_per_rank)
 
 
 def test_garbage_collection_inside_lease_never_deadlocks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,9 +1,17 @@
 """The spawn that test_arguments, test_agreement and test_failures share, and
 what their cases share.
 
-Each of those modules holds the multi-rank cases of one subject in a dict
-``CASES`` (name: function of the rank and the world size) and a test per case
-and transport that calls :func:`check`. The cases of all three run on one
+Each of those modules holds the multi-rank cases of one subject, functions
+of the rank and the world size, and a test per case named after the
+behaviour it checks, parametrized by transport, marked with the case it runs
+(:func:`runs`) and calling :func:`check`::
+
+    @pytest.mark.parametrize("transport", TRANSPORTS)
+    @runs(case_disagreement)
+    def test_ranks_that_make_different_calls_all_raise(transport, request):
+        check(request, transport)
+
+The cases of all three run on one
 spawn of :data:`WORLD` gloo ranks per transport (forced with
 ``QCOMM_TRANSPORT``: gloo's point-to-point, and the all-to-all NCCL takes),
 started by the first test that asks and running only the cases of the tests
@@ -49,25 +57,36 @@ PROMPT = 8.0
 # The spawn.
 
 
+def runs(case: Callable[[int, int], None]) -> pytest.MarkDecorator:
+    """Marks a test of one of :data:`MODULES` as the check of ``case`` on the spawn."""
+    # with_args: a lone callable given to a mark would be taken for the test it marks.
+    return pytest.mark.three_ranks.with_args(case)
+
+
 def run_case(case: str, rank: int, world: int) -> None:
     """Runs ``case``, ``module:name`` with ``module`` one of :data:`MODULES`."""
     module, name = case.split(":")
-    importlib.import_module(module).CASES[name](rank, world)
+    getattr(importlib.import_module(module), name)(rank, world)
+
+
+def _case_of(item: pytest.Item) -> str | None:
+    """The case (``module:name``) a test runs, or None for a test not marked by :func:`runs`."""
+    marker = item.get_closest_marker("three_ranks")
+    if marker is None:
+        return None
+    case = marker.args[0]
+    return f"{case.__module__}:{case.__name__}"
 
 
 def _selected(session: pytest.Session, transport: str) -> list[str]:
-    """The cases of the session's tests (``test_multi_rank`` of :data:`MODULES`)
-    on ``transport``, in the session's order."""
+    """The cases of the session's tests (marked by :func:`runs`) on ``transport``,
+    in the session's order."""
     cases: list[str] = []
     for item in session.items:
-        if not isinstance(item, pytest.Function) or item.originalname != "test_multi_rank":
+        if not isinstance(item, pytest.Function) or (case := _case_of(item)) is None:
             continue
-        module = item.module.__name__ if item.module is not None else ""
-        params = item.callspec.params
-        if module in MODULES and params["transport"] == transport:
-            case = f"{module}:{params['case']}"
-            if case not in cases:
-                cases.append(case)
+        if item.callspec.params["transport"] == transport and case not in cases:
+            cases.append(case)
     return cases
 
 
@@ -75,11 +94,13 @@ def _selected(session: pytest.Session, transport: str) -> list[str]:
 _spawned: dict[str, dict[str, Outcome] | BaseException] = {}
 
 
-def check(request: pytest.FixtureRequest, transport: str, case: str) -> None:
-    """Fails the calling test (one of ``case`` of the calling module on
+def check(request: pytest.FixtureRequest, transport: str) -> None:
+    """Fails the calling test (the check of its case, :func:`runs`, on
     ``transport``) with the case's tracebacks, or unless every rank opened
     that transport only; spawns the ranks on first use."""
-    assert request.module.__name__ in MODULES, f"{request.module.__name__} is not in MODULES"
+    case = _case_of(request.node)
+    assert case is not None, f"{request.node.name} is not marked with the case it runs"
+    assert case.split(":")[0] in MODULES, f"{case} is not a case of MODULES"
     if transport not in _spawned:
         try:
             _spawned[transport] = run_outcomes(
@@ -96,8 +117,7 @@ def check(request: pytest.FixtureRequest, transport: str, case: str) -> None:
     outcomes = _spawned[transport]
     if isinstance(outcomes, BaseException):
         raise outcomes
-    outcome = outcomes[f"{request.module.__name__}:{case}"]
-    check_case(outcome, f"{case} on {WORLD} ranks, {transport}", transport)
+    check_case(outcomes[case], f"{case} on {WORLD} ranks, {transport}", transport)
 
 
 # --------------------------------------------------------------------------
