@@ -3,8 +3,9 @@ qcomm: quantized collective communication for PyTorch embeddings.
 
 Codecs are plugins found through the ``qcomm.codecs`` entry points; a registry
 of codec pairs keyed by :class:`~qcomm.CommOp` plugs into TorchRec sharders;
-the three embedding collectives run with a codec on each pass, and a DDP
-communication hook all-reduces dense gradients with the same codecs.
+the three embedding collectives (and the reduce-scatter's adjoint, the
+all-gather) run with a codec on each pass, and a DDP communication hook
+all-reduces dense gradients with the same codecs (:func:`~qcomm.all_reduce`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ __version__ = "0.1.0"
 _HOMES = {
     "Awaitable": "qcomm.awaitable",
     "NoWait": "qcomm.awaitable",
+    "all_gather_pooled": "qcomm.collectives",
+    "all_reduce": "qcomm.collectives.all_reduce",
     "all_to_all_pooled": "qcomm.collectives",
     "all_to_all_sequence": "qcomm.collectives",
     "reduce_scatter_pooled": "qcomm.collectives",
@@ -53,9 +56,11 @@ if TYPE_CHECKING:
     from qcomm.codec_base import BlockCodec as BlockCodec
     from qcomm.codec_base import BlockContext as BlockContext
     from qcomm.codec_base import ElementwiseCodec as ElementwiseCodec
+    from qcomm.collectives import all_gather_pooled as all_gather_pooled
     from qcomm.collectives import all_to_all_pooled as all_to_all_pooled
     from qcomm.collectives import all_to_all_sequence as all_to_all_sequence
     from qcomm.collectives import reduce_scatter_pooled as reduce_scatter_pooled
+    from qcomm.collectives.all_reduce import all_reduce as all_reduce
     from qcomm.ddp import DDPCommHookState as DDPCommHookState
     from qcomm.ddp import ddp_comm_hook as ddp_comm_hook
     from qcomm.discovery import CodecEntry as CodecEntry

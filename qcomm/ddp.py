@@ -6,6 +6,7 @@ buckets with qcomm codecs, with optional error feedback. See :doc:`ddp`.
 # No "from __future__ import annotations" here: DistributedDataParallel
 # compares the hook's annotations with the real types.
 
+import dataclasses
 import itertools
 import math
 import weakref
@@ -18,22 +19,61 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from qcomm._ddp_worker import worker_for
 from qcomm.collectives._args import check_chunk_bytes
-from qcomm.collectives.all_reduce import Residuals, all_reduce, granule, layout
+from qcomm.collectives._blocks import split_blocks
+from qcomm.collectives.all_reduce import Residuals, all_reduce
 from qcomm.discovery import load_codec
 from qcomm.registry import load_pair
-from qcomm.specs import parse_host_spec
+from qcomm.specs import parse_host_spec, parse_pair_spec
 from qcomm.types import CodecError, HostCodecs, QuantizedCommCodec, contract_problem
 
 __all__ = ["DDPCommHookState", "all_reduce_hook", "ddp_comm_hook"]
 
-_VERSION = 2
-# Names given to saved parameters that no parameter of this process can
-# take (see _Entry): far beyond any count of parameters.
-_UNNAMED = 1 << 40
+# 3: the layout saved as a mapping of its fields (2: a list of them in
+# order; 1: the same without where this rank's block lies, and no parameters).
+_VERSION = 3
 
-# A bucket's layout: elements, dtype, world size, rank, its parameters'
-# shapes in order, and where this rank's block starts and stops.
-_Layout = tuple[int, str, int, int, tuple[tuple[int, ...], ...], int, int]
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A bucket's layout, which its residuals follow (and are saved with)."""
+
+    numel: int
+    dtype: str
+    world: int
+    rank: int
+    #: its parameters' shapes, in order
+    shapes: tuple[tuple[int, ...], ...]
+    #: where this rank's block starts and stops
+    start: int
+    stop: int
+
+    def same_bucket(self, other: "_Layout") -> bool:
+        """Whether both are of the same bucket, wherever this rank's block lies in each."""
+        return dataclasses.replace(self, start=0, stop=0) == dataclasses.replace(
+            other, start=0, stop=0
+        )
+
+
+# The fields of a layout as versions 1 and 2 saved it, a list in this order
+# (version 1 without the last two).
+_LISTED = ("numel", "dtype", "world", "rank", "shapes", "start", "stop")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Name:
+    """
+    A parameter's number: in this state (see DDPCommHookState._number), or
+    (``saved``) in the state that saved its residuals, not yet matched to a
+    parameter of this one; saved residuals that no parameter can take (the
+    state recorded none, or twice the same) have no number.
+    """
+
+    number: int | None
+    saved: bool = False
+
+    def as_saved(self) -> "_Name":
+        """The name the saved residuals of this state's parameter go by until matched."""
+        return _Name(self.number, saved=True)
 
 
 def _load(value: Any, name: str) -> tuple[Any, str | None]:
@@ -41,7 +81,10 @@ def _load(value: Any, name: str) -> tuple[Any, str | None]:
     if value is None:
         return None, None
     if isinstance(value, str):
-        return load_codec(value), value.strip()
+        try:
+            return load_codec(value), value.strip()
+        except CodecError as err:
+            raise CodecError(f"{name}: {err}") from err
     problem = contract_problem(value)
     if problem is None:
         return value, None
@@ -52,6 +95,26 @@ def _load(value: Any, name: str) -> tuple[Any, str | None]:
         f"{name}: expected a codec spec such as 'int8' or 'mx4:group_size=16', a codec "
         f"object or None, got {type(value).__name__}"
     )
+
+
+def _codecs(spec: Any, gather: Any) -> tuple[Any, Any, tuple[str | None, str | None]]:
+    """The reduce-scatter's and the all-gather's codecs (``None``: none), and their specs where given as specs."""
+    if isinstance(spec, str) and "/" in spec and gather is not None:
+        raise ValueError(
+            f"gather: the spec {spec!r} already names the all-gather's codec "
+            f"after '/'; give one or the other"
+        )
+    if spec is None or gather is not None:
+        (reduce, reduce_spec), (gather, gather_spec) = _load(spec, "spec"), _load(gather, "gather")
+        return reduce, gather, (reduce_spec, gather_spec)
+    if isinstance(spec, str):
+        specs: tuple[str | None, str | None] = parse_pair_spec(spec, "spec")
+    else:
+        _load(spec, "spec")  # a codec object, checked as any
+        specs = (None, None)
+    # A pair or one spec (a new codec each step), or one object for both steps.
+    pair = load_pair(spec, "spec")
+    return pair.forward, pair.backward, specs
 
 
 def _freeze(value: Any) -> Any:
@@ -67,30 +130,51 @@ def _thaw(value: Any) -> Any:
     return value
 
 
+def _saved_layout(value: Any, version: int) -> dict[str, Any] | None:
+    """The fields of a layout as ``version`` saved it (of version 1, all but start and stop); ``None`` if it is not one."""
+    names = _LISTED if version > 1 else tuple(n for n in _LISTED if n not in ("start", "stop"))
+    if version > 2:
+        if not isinstance(value, Mapping) or set(value) != set(names):
+            return None
+        fields = dict(value)
+    else:
+        if not isinstance(value, (list, tuple)) or len(value) != len(names):
+            return None
+        fields = dict(zip(names, value))
+    shapes = fields["shapes"] = _freeze(fields["shapes"])
+    if (
+        not all(isinstance(fields[k], int) for k in names if k not in ("dtype", "shapes"))
+        or not isinstance(shapes, tuple)
+        or not all(isinstance(s, tuple) for s in shapes)
+        or sum(math.prod(s) for s in shapes) != fields["numel"]
+    ):
+        return None
+    return fields
+
+
 class _Entry:
     """The residuals of one bucket of one module, and whose they are."""
 
-    # ``names`` has one name per parameter of the bucket, in order: its number
-    # in this state (n >= 0, see DDPCommHookState._number); restored and not
-    # yet matched to a parameter, -1 - n with n its number in the state that
-    # saved it; None once its residuals have moved to another bucket (they are
+    # ``names`` has one name per parameter of the bucket, in order (see
+    # _Name); None once its residuals have moved to another bucket (they are
     # zero here then). No names: parameters that do not tile the bucket.
 
     def __init__(
-        self, index: int, layout: _Layout, names: list[int | None], residuals: Residuals
+        self, index: int, layout: _Layout, names: list[_Name | None], residuals: Residuals
     ) -> None:
         self.index = index
         self.layout = layout
         self.names = names
         self.residuals = residuals
-        self.offsets = list(itertools.accumulate((math.prod(s) for s in layout[4]), initial=0))
-        #: whether it came from load_state_dict (see DDPCommHookState._regroup)
+        self.offsets = list(itertools.accumulate((math.prod(s) for s in layout.shapes), initial=0))
+        #: restored by load_state_dict and not yet met as a bucket of its own
+        #: (see DDPCommHookState._regroup)
         self.restored = False
 
     def take(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Parameter ``i``'s scatter and gather residuals (``None``: zero), taken out of here."""
         lo, hi = self.offsets[i], self.offsets[i + 1]
-        start, stop = self.layout[5], self.layout[6]
+        start, stop = self.layout.start, self.layout.stop
         scatter, gather = self.residuals.scatter, self.residuals.gather
         s = g = None
         if scatter is not None:
@@ -103,6 +187,18 @@ class _Entry:
             gather[a - start : b - start] = 0.0
         self.names[i] = None
         return s, g
+
+
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    """Where a parameter's residuals are: an entry, and the parameter's position in it."""
+
+    entry: _Entry
+    i: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.layout.shapes[self.i]
 
 
 class DDPCommHookState:
@@ -119,7 +215,7 @@ class DDPCommHookState:
         >>> state
         DDPCommHookState(reduce='int8', gather='fp16', error_feedback=True)
         >>> state.state_dict()
-        {'version': 2, 'error_feedback': True, 'residuals': {}}
+        {'version': 3, 'error_feedback': True, 'residuals': {}}
     """
 
     def __init__(
@@ -146,22 +242,9 @@ class DDPCommHookState:
             assert isinstance(by_host, HostCodecs)
             self.by_host = by_host
             self._host_spec = spec.strip() if isinstance(spec, str) else None
-            # What a one-codec reader of the state (granule, repr) sees.
+            # What a one-codec reader of the state (repr) sees.
             spec, gather = by_host.other_host.forward, by_host.other_host.backward
-        if isinstance(spec, str) and "/" in spec:
-            if gather is not None:
-                raise ValueError(
-                    f"gather: the spec {spec!r} already names the all-gather's codec "
-                    f"after '/'; give one or the other"
-                )
-            spec, gather = spec.split("/", 1)
-            if not spec.strip() or not gather.strip():
-                raise CodecError(f"expected 'reduce/gather' codec specs, got {spec}/{gather}")
-        self.reduce_codec, reduce_spec = _load(spec, "spec")
-        if gather is None:
-            gather = reduce_spec if reduce_spec is not None else self.reduce_codec
-        self.gather_codec, gather_spec = _load(gather, "gather")
-        self._specs = (reduce_spec, gather_spec)
+        self.reduce_codec, self.gather_codec, self._specs = _codecs(spec, gather)
         if not isinstance(error_feedback, bool):
             raise TypeError(
                 f"error_feedback: expected a bool, got {type(error_feedback).__name__} "
@@ -179,13 +262,12 @@ class DDPCommHookState:
         #: parameters in a bucket's place, or a restored state that does not fit)
         self.resets = 0
         self._entries: list[_Entry] = []
-        # Which entry, and which of its parameters, holds a name's residuals.
-        self._held: dict[int, tuple[_Entry, int]] = {}
+        # Where each name's residuals are.
+        self._held: dict[_Name, _Place] = {}
         # Parameters numbered in the order this state first sees them.
         self._numbers = cast(MutableMapping[torch.Tensor, int], WeakIdKeyDictionary())
         self._live: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._next = 0
-        self._unnamed = itertools.count(_UNNAMED)
 
     def residuals(self, bucket: dist.GradBucket) -> Residuals:
         r"""
@@ -200,19 +282,17 @@ class DDPCommHookState:
             bucket (torch.distributed.GradBucket): the bucket.
         """
         buffer = bucket.buffer()
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
         params = list(bucket.parameters())
-        shapes = tuple(tuple(p.shape) for p in params)
-        numel = buffer.numel()
-        start, stop = self._own(numel, world, rank)
-        key: _Layout = (numel, str(buffer.dtype), world, rank, shapes, start, stop)
-        names: list[int | None] = [self._number(p) for p in params]
-        if sum(math.prod(s) for s in shapes) != numel:
+        key = self._layout(buffer.numel(), buffer.dtype, [tuple(p.shape) for p in params])
+        names: list[_Name | None] = [self._number(p) for p in params]
+        if sum(math.prod(s) for s in key.shapes) != key.numel:
             names = []  # they do not tile the bucket: not followed one by one
         held = self._held.get(names[0]) if names and names[0] is not None else None
-        if held is not None and held[0].names == names and held[0].layout == key:
-            return held[0].residuals
+        if held is not None and held.entry.names == names and held.entry.layout == key:
+            # Its own: a restored bucket met as a bucket of DDP's, which
+            # DDP keeps from now on (see _regroup).
+            held.entry.restored = False
+            return held.entry.residuals
         return self._carry(bucket.index(), key, names, buffer.device)
 
     def _regroup(self, bucket: dist.GradBucket) -> list[tuple[Residuals, list[int]]] | None:
@@ -224,33 +304,33 @@ class DDPCommHookState:
         were saved; ``None`` where it does not.
         """
         params = list(bucket.parameters())
-        names = [self._number(p) for p in params]
-        offsets = list(itertools.accumulate((p.numel() for p in params), initial=0))
-        if offsets[-1] != bucket.buffer().numel():
-            return None
+        names: list[_Name | None] = []
         entries: list[_Entry] = []
-        for n in names:
+        for p in params:
+            name = self._number(p)
             # Restored residuals, bound to it already or under its number.
-            found = self._held.get(n) or self._held.get(-1 - n)
-            if found is None or not found[0].restored:
+            found = self._held.get(name) or self._held.get(name.as_saved())
+            if found is None or not found.entry.restored:
+                # Once its bucket was met as DDP's, the walk stops at the
+                # first parameter (residuals() numbers the rest in order).
                 return None
-            if all(found[0] is not e for e in entries):
-                entries.append(found[0])
+            names.append(name)
+            if all(found.entry is not e for e in entries):
+                entries.append(found.entry)
+        if sum(p.numel() for p in params) != bucket.buffer().numel():
+            return None
         if len(entries) == 1 and entries[0].names == names:
             return None  # the bucket's own: reduced as it is
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        at = {n: j for j, n in enumerate(names)}
+        at = {n.number: j for j, n in enumerate(names) if n is not None}
         parts = []
         for entry in entries:
-            taken = [None if n is None else at.get(n if n >= 0 else -1 - n) for n in entry.names]
+            taken = [None if n is None else at.get(n.number) for n in entry.names]
             if not taken or any(j is None for j in taken):
                 return None
             js = cast(list[int], taken)
-            shapes = tuple(tuple(params[j].shape) for j in js)
             numel = sum(params[j].numel() for j in js)
-            dtype = str(bucket.buffer().dtype)
-            if entry.layout != (numel, dtype, world, rank, shapes, *self._own(numel, world, rank)):
+            key = self._layout(numel, bucket.buffer().dtype, [tuple(params[j].shape) for j in js])
+            if entry.layout != key:
                 return None
             parts.append((entry, js))
         if sum(len(js) for _, js in parts) != len(params):
@@ -259,50 +339,62 @@ class DDPCommHookState:
             self._rename(entry, [names[j] for j in js])
         return [(entry.residuals, js) for entry, js in parts]
 
-    def _own(self, numel: int, world: int, rank: int) -> tuple[int, int]:
-        """Where this rank's block of a bucket starts and stops, as :func:`all_reduce` cuts it."""
-        codecs = [c for c in (self.reduce_codec, self.gather_codec) if c is not None]
-        if self.by_host is not None:
-            codecs += [self.by_host.same_host.forward, self.by_host.same_host.backward]
-        bounds = layout(numel, world, granule(*codecs))
-        return bounds[rank], bounds[rank + 1]
+    def _layout(
+        self,
+        numel: int,
+        dtype: Any,
+        shapes: Sequence[tuple[int, ...]],
+        world: int | None = None,
+        rank: int | None = None,
+    ) -> _Layout:
+        """The layout of a bucket of this process group (else of ``world`` and ``rank``), cut as :func:`all_reduce` cuts it."""
+        if world is None or rank is None:
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+        codecs = (
+            (self.by_host,) if self.by_host is not None else (self.reduce_codec, self.gather_codec)
+        )
+        bounds = split_blocks(numel, world, *codecs)
+        return _Layout(
+            numel, str(dtype), world, rank, tuple(shapes), bounds[rank], bounds[rank + 1]
+        )
 
-    def _number(self, param: torch.Tensor) -> int:
+    def _number(self, param: torch.Tensor) -> _Name:
         number = self._numbers.get(param)
         if number is None:
             number = self._numbers[param] = self._next
             self._live[number] = param
             self._next += 1
-        return number
+        return _Name(number)
 
     def _unbound(self, entry: _Entry) -> bool:
         """Whether no live parameter of this state owns any of the entry's residuals."""
-        return all(n is None or n < 0 or n not in self._live for n in entry.names)
+        return all(n is None or n.saved or n.number not in self._live for n in entry.names)
 
     def _carry(
-        self, index: int, key: _Layout, names: list[int | None], device: torch.device
+        self, index: int, key: _Layout, names: list[_Name | None], device: torch.device
     ) -> Residuals:
         """A new entry for the bucket, with what the entries holding its parameters hold."""
-        shapes = key[4]
         sources = [None if n is None else self._held.get(n) for n in names]
         if not any(sources):
             # Restored: under the numbers of the state that saved them, which
             # numbered parameters in the order DDP's first buckets hold them,
             # as this state does.
-            sources = [None if n is None else self._held.get(-1 - n) for n in names]
+            sources = [None if n is None else self._held.get(n.as_saved()) for n in names]
             if not (
                 names
-                and all(s and s[0].layout[4][s[1]] == shapes[j] for j, s in enumerate(sources))
+                and all(s is not None and s.shape == key.shapes[j] for j, s in enumerate(sources))
             ):
                 claimed = self._claim(index, key)
                 if claimed is not None and claimed.layout == key:
                     self._rename(claimed, names)
                     return claimed.residuals
                 if claimed is not None:
-                    sources = [(claimed, i) for i in range(len(names))]
+                    sources = [_Place(claimed, i) for i in range(len(names))]
         else:
             sources = [
-                s or (None if n is None else self._held.get(-1 - n)) for n, s in zip(names, sources)
+                s or (None if n is None else self._held.get(n.as_saved()))
+                for n, s in zip(names, sources)
             ]
         residuals = Residuals()
         if any(sources):
@@ -323,24 +415,24 @@ class DDPCommHookState:
         self._entries.append(entry)
         for i, n in enumerate(names):
             if n is not None:
-                self._held[n] = (entry, i)
+                self._held[n] = _Place(entry, i)
         return residuals
 
     def _claim(self, index: int, key: _Layout) -> _Entry | None:
         """An entry of the bucket's index and shapes whose parameters are gone or restored."""
         for entry in self._entries:
-            if entry.index == index and entry.layout[:5] == key[:5] and self._unbound(entry):
+            if entry.index == index and entry.layout.same_bucket(key) and self._unbound(entry):
                 return entry
         return None
 
-    def _rename(self, entry: _Entry, names: list[int | None]) -> None:
+    def _rename(self, entry: _Entry, names: list[_Name | None]) -> None:
         for n in entry.names:
             if n is not None:
                 self._held.pop(n, None)
         entry.names = list(names)
         for i, n in enumerate(names):
             if n is not None:
-                self._held[n] = (entry, i)
+                self._held[n] = _Place(entry, i)
 
     def _drop(self, entry: _Entry, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         name = entry.names[i]
@@ -349,20 +441,20 @@ class DDPCommHookState:
         return entry.take(i)
 
     def _move(
-        self, key: _Layout, sources: Sequence[tuple[_Entry, int] | None], device: torch.device
+        self, key: _Layout, sources: Sequence[_Place | None], device: torch.device
     ) -> tuple[Residuals, bool]:
         """Residuals laid out as ``key``, from each parameter's source; whether one did not fit."""
-        numel, _, world, rank, shapes, start, stop = key
-        scatter = torch.zeros(numel, device=device)
+        start, stop, world = key.start, key.stop, key.world
+        scatter = torch.zeros(key.numel, device=device)
         gather = torch.zeros(stop - start, device=device)
         lost = False
-        offsets = list(itertools.accumulate((math.prod(s) for s in shapes), initial=0))
+        offsets = list(itertools.accumulate((math.prod(s) for s in key.shapes), initial=0))
         for j, source in enumerate(sources):
             if source is None:
                 continue
-            entry, i = source
-            s, g = self._drop(entry, i)
-            if entry.layout[2:4] != (world, rank) or entry.layout[4][i] != shapes[j]:
+            s, g = self._drop(source.entry, source.i)
+            was = source.entry.layout
+            if (was.world, was.rank) != (world, key.rank) or source.shape != key.shapes[j]:
                 lost = True
                 continue
             lo, hi = offsets[j], offsets[j + 1]
@@ -399,9 +491,10 @@ class DDPCommHookState:
             dict[str, Any]: ``version``, ``error_feedback`` and ``residuals``:
             per bucket, keyed by its index (where two modules share the state,
             the buckets of the later one follow the largest index),
-            ``index``, ``layout``, ``params`` (which parameters, by their
-            number in the order the state first saw them), ``scatter`` and
-            ``gather``.
+            ``index``, ``layout`` (``numel``, ``dtype``, ``world``, ``rank``,
+            ``shapes``, and where this rank's block lies: ``start`` and
+            ``stop``), ``params`` (which parameters, by their number in the
+            order the state first saw them), ``scatter`` and ``gather``.
         """
         entries = [
             e
@@ -418,11 +511,8 @@ class DDPCommHookState:
             assert e.residuals.scatter is not None and e.residuals.gather is not None
             residuals[e.index if k in first else next(extra)] = {
                 "index": e.index,
-                "layout": _thaw(e.layout),
-                "params": [
-                    None if n is None or -1 - n >= _UNNAMED else (n if n >= 0 else -1 - n)
-                    for n in e.names
-                ],
+                "layout": {**dataclasses.asdict(e.layout), "shapes": _thaw(e.layout.shapes)},
+                "params": [None if n is None else n.number for n in e.names],
                 "scatter": e.residuals.scatter.detach().clone(),
                 "gather": e.residuals.gather.detach().clone(),
             }
@@ -438,13 +528,13 @@ class DDPCommHookState:
 
         Restores what :meth:`state_dict` saved, for the hook to carry over to
         the buckets of the same parameters, whatever their layout now (see
-        :doc:`ddp`).
+        :doc:`ddp`). States saved by earlier versions of qcomm load too.
 
         Args:
             state_dict (Mapping[str, Any]): from :meth:`state_dict`, else ``ValueError``.
         """
         version = state_dict.get("version") if isinstance(state_dict, Mapping) else None
-        if version not in (1, _VERSION):
+        if isinstance(version, bool) or version not in (1, 2, _VERSION):
             got = version if isinstance(state_dict, Mapping) else state_dict
             raise ValueError(
                 f"state_dict: expected a DDPCommHookState.state_dict() of version {_VERSION}, "
@@ -458,13 +548,13 @@ class DDPCommHookState:
         for entry in loaded:
             for i, n in enumerate(entry.names):
                 if n is None or n in self._held:
-                    entry.names[i] = -1 - next(self._unnamed)
+                    entry.names[i] = _Name(None, saved=True)
                 else:
-                    self._held[n] = (entry, i)
+                    self._held[n] = _Place(entry, i)
             self._entries.append(entry)
 
     def _loaded(self, key: Any, entry: Any, version: int) -> _Entry:
-        """One saved entry, checked; its names not yet bound (see :class:`_Entry`)."""
+        """One saved entry, checked; its names not yet bound (see :class:`_Name`)."""
         where = f"state_dict['residuals'][{key!r}]"
         if isinstance(key, bool) or not isinstance(key, int) or not isinstance(entry, Mapping):
             raise ValueError(f"{where}: expected an int bucket index and a mapping")
@@ -475,38 +565,36 @@ class DDPCommHookState:
                 raise ValueError(f"{where}[{name!r}]: expected a 1-D float32 tensor")
             tensors.append(t.detach().clone())
         scatter, gather = tensors
-        layout = _freeze(entry.get("layout"))
+        fields = _saved_layout(entry.get("layout"), version)
         index = entry.get("index", key) if version > 1 else key
         names = entry.get("params") if version > 1 else None
-        if (
-            not isinstance(layout, tuple)
-            or len(layout) != (7 if version > 1 else 5)
-            or not all(isinstance(v, int) for v in (*layout[:1], *layout[2:4], *layout[5:]))
-            or not isinstance(layout[4], tuple)
-            or not all(isinstance(s, tuple) for s in layout[4])
-            or sum(math.prod(s) for s in layout[4]) != layout[0]
-            or scatter.numel() != layout[0]
-        ):
+        if fields is None or scatter.numel() != fields["numel"]:
             raise ValueError(f"{where}['layout']: expected the layout state_dict() saved")
         if isinstance(index, bool) or not isinstance(index, int):
             raise ValueError(f"{where}['index']: expected an int, got {index!r:.80}")
+        shapes = fields["shapes"]
         if names is None:
-            names = [None] * len(layout[4])
-        if not isinstance(names, (list, tuple)) or len(names) not in (0, len(layout[4])):
+            names = [None] * len(shapes)
+        if not isinstance(names, (list, tuple)) or len(names) not in (0, len(shapes)):
             raise ValueError(f"{where}['params']: expected one number per shape of its layout")
-        if not all(n is None or (isinstance(n, int) and 0 <= n < _UNNAMED) for n in names):
+        if not all(n is None or (isinstance(n, int) and n >= 0) for n in names):
             raise ValueError(f"{where}['params']: expected numbers or None, got {names!r:.80}")
         if version == 1:
             # Where this rank's block lay was not saved: as the codecs cut it
             # now, if the all-gather's residual is as long.
-            start, stop = self._own(layout[0], layout[2], layout[3])
-            layout = (*layout, start, stop)
-            if gather.numel() != stop - start:
-                gather = torch.zeros(stop - start)
+            layout = self._layout(
+                fields["numel"], fields["dtype"], shapes, fields["world"], fields["rank"]
+            )
+            if gather.numel() != layout.stop - layout.start:
+                gather = torch.zeros(layout.stop - layout.start)
                 self.resets += 1
-        elif gather.numel() != layout[6] - layout[5]:
-            raise ValueError(f"{where}['gather']: expected {layout[6] - layout[5]} elements")
-        saved = [None if n is None else -1 - n for n in names]
+        else:
+            layout = _Layout(**fields)
+            if gather.numel() != layout.stop - layout.start:
+                raise ValueError(
+                    f"{where}['gather']: expected {layout.stop - layout.start} elements"
+                )
+        saved: list[_Name | None] = [None if n is None else _Name(n, saved=True) for n in names]
         loaded = _Entry(index, layout, saved, Residuals(scatter, gather))
         loaded.restored = True
         return loaded
@@ -541,9 +629,9 @@ class DDPCommHookState:
             given = self._host_spec or self.by_host
             return f"DDPCommHookState(by_host={given!r}, error_feedback={self.error_feedback})"
         codecs = (self.reduce_codec, self.gather_codec)
-        names = [s if s is not None else repr(c) for s, c in zip(self._specs, codecs)]
+        reduce, gather = [s if s is not None else repr(c) for s, c in zip(self._specs, codecs)]
         return (
-            f"DDPCommHookState(reduce={names[0]!r}, gather={names[1]!r}, "
+            f"DDPCommHookState(reduce={reduce!r}, gather={gather!r}, "
             f"error_feedback={self.error_feedback})"
         )
 

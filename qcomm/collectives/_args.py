@@ -178,6 +178,32 @@ def resolve_codecs(codecs: Any, dtype: torch.dtype, backend: Backend) -> tuple[A
     return NoOpQuantizedCommCodec(dtype), NoOpQuantizedCommCodec(dtype)
 
 
+def pair_codecs(
+    reduce_codec: Any, gather_codec: Any, policy: Any, dtype: torch.dtype, backend: Backend
+) -> tuple[Any, Any]:
+    """
+    The all-reduce's checked reduce-scatter and all-gather codecs (each a
+    :class:`~._hosts.ByHost` for a ``by_host`` ``policy``).
+    """
+    if policy is not None:
+        if not isinstance(policy, HostCodecs):
+            raise TypeError(
+                f"by_host: expected a qcomm.HostCodecs or None, got {type(policy).__name__}"
+            )
+        if reduce_codec is not None or gather_codec is not None:
+            raise ValueError(
+                "by_host: gives the codecs by host (forward: the reduce-scatter's, backward: "
+                "the all-gather's); leave reduce_codec and gather_codec unset"
+            )
+        return resolve_codecs(policy, dtype, backend)
+    codecs = []
+    for name, codec in (("reduce_codec", reduce_codec), ("gather_codec", gather_codec)):
+        codec = NoOpQuantizedCommCodec(dtype) if codec is None else codec
+        check_codec(codec, name, backend)
+        codecs.append(codec)
+    return codecs[0], codecs[1]
+
+
 def by_host(policy: HostCodecs, name: str, backend: Backend) -> tuple[ByHost, ByHost]:
     """The checked forward and backward codecs of a :class:`~qcomm.HostCodecs`, by host."""
     per_host, source = ranks_per_host(policy.ranks_per_host)

@@ -16,16 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives import _header
 from qcomm.collectives._agreement import Agreement, safe_mode
 from qcomm.collectives._args import resolve_group
 from qcomm.collectives._backends import Backend, backend_of
 from qcomm.collectives._hosts import per_peer
-from qcomm.collectives._transport import open_transport
-
-# What the transport carries for the exchange, in sizes only: each message's
-# last part ends with a status, and checked calls send headers first.
-_FRAMING = {"trailer_bytes": _header.STATUS_BYTES, "control_bytes": _header.SIZE}
+from qcomm.collectives._protocol import FRAMING, tell_failure
+from qcomm.collectives._transport import Transport, open_transport
 
 
 class Call:
@@ -50,8 +46,7 @@ class Call:
         #: whether this rank's headers have gone out on the current transport
         #: (then a failure is told in-band, with the data)
         self.announced = False
-        self.transport = open_transport(group, rank, self.backend, **_FRAMING)
-        self._transports = [self.transport]
+        self._transports = [open_transport(group, rank, self.backend, **FRAMING)]
         self._exchanges = 0
         self._agreement: Agreement | None = None
 
@@ -67,6 +62,15 @@ class Call:
         # The exception goes on; the peers hear of it first.
         if isinstance(exc, Exception):
             self.fail(exc)
+
+    @property
+    def transport(self) -> Transport:
+        """The transport of the call's current exchange (see :meth:`next_exchange`)."""
+        if len(self._transports) < self._exchanges:
+            # The first use of an exchange's own transport, right after
+            # next_exchange named it.
+            self._transports.append(open_transport(self.group, self.rank, self.backend, **FRAMING))
+        return self._transports[-1]
 
     @property
     def number(self) -> int:
@@ -95,8 +99,6 @@ class Call:
         several exchanges: the all-reduce).
         """
         if self._exchanges:
-            self.transport = open_transport(self.group, self.rank, self.backend, **_FRAMING)
-            self._transports.append(self.transport)
             self.announced = False
         self._exchanges += 1
         self.name = name
@@ -108,12 +110,7 @@ class Call:
         """
         told = self._agreement is not None and self._agreement.told
         if self.checked and not self.announced and not told:
-            blob = _header.fail(self.name, error).pack()
-            peers = [p for p in range(self.world) if p != self.rank]
-            for peer in peers:
-                self.transport.expect_control(peer)
-                self.transport.send_control(peer, blob)
-            self.transport.flush_controls()
+            tell_failure(self.transport, self.name, self.rank, self.world, error)
         self.abandon()
 
     def abandon(self) -> None:

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from qcomm.collectives import _background, _buffers, _header
+from qcomm.collectives import _background, _buffers
 from qcomm.collectives._call import Call
 from qcomm.collectives._coding import Coding, PeerCodings
+from qcomm.collectives._header import Flow
+from qcomm.collectives._protocol import Flows, Protocol
 from qcomm.collectives._transport import Transport
 from qcomm.collectives._wire import checked_decode, checked_encode, encodable, quantized_sizes
 from qcomm.types import CodecError
@@ -162,6 +164,98 @@ def copy_in_parts(target: torch.Tensor, source: torch.Tensor) -> Callable[[int, 
     return copy
 
 
+class Piece(NamedTuple):
+    """
+    One message's data: wire-layout elements ``[start, stop)`` of ``region``,
+    ``size`` elements on the wire. ``region`` ``None``: a message with no
+    data, which carries a status only (every pair of ranks exchanges one).
+    """
+
+    region: Region | None
+    start: int
+    stop: int
+    size: int
+
+
+class Send(NamedTuple):
+    """A piece sent to the peers ``to``, which share one coding."""
+
+    to: list[int]
+    piece: Piece
+
+
+class Receive(NamedTuple):
+    """A piece received from ``peer``."""
+
+    peer: int
+    piece: Piece
+
+
+class Posted(NamedTuple):
+    """A receive posted on the transport: where it lands, and whether it is the peer's last."""
+
+    peer: int
+    handle: Any
+    piece: Piece
+    last: bool
+
+
+class Plan(NamedTuple):
+    """
+    The messages of an exchange, in sending and receiving order, and the
+    index of the last one to and from each peer (the one with a status).
+    """
+
+    sends: list[Send]
+    receives: list[Receive]
+    peers: list[int]
+    last_out: dict[int, int]
+    last_in: dict[int, int]
+
+
+#: ``encoded(piece, x, wire, ctx)``: the caller's hook that hears of every
+#: chunk an exchange encodes (``x``: the codec's input, ``wire``: its output).
+Encoded = Callable[[Piece, torch.Tensor, torch.Tensor, Any], None]
+
+_NOTHING = Piece(None, 0, 0, 0)
+
+
+def plan(
+    sends: Sequence[tuple[list[int], Region]],
+    recvs: Sequence[tuple[int, Region]],
+    codings: PeerCodings,
+    transport: Transport,
+    chunk_bytes: int | None,
+) -> Plan:
+    """The chunks of every region sent and received (see :func:`start_exchange`)."""
+
+    def pieces(coding: Coding, region: Region) -> list[Piece]:
+        align = coding.alignment(transport.chunked)
+        cuts = [(0, region.length)]
+        if align is not None:
+            cuts = region.chunks(align, chunk_elements(region.length, chunk_bytes))
+        return [
+            Piece(region, a, b, quantized_sizes(coding.codec, coding.ctx, [b - a])[0])
+            for a, b in cuts
+        ]
+
+    receives = [Receive(peer, p) for peer, into in recvs for p in pieces(codings[peer], into)]
+    out: list[Send] = []
+    for to, sent in sends:
+        coding = codings[to[0]]
+        if any(codings[p] is not coding for p in to):
+            raise AssertionError("qcomm: a region sent to several peers goes with one coding")
+        out += [Send(list(to), p) for p in pieces(coding, sent)]
+    peers = [p for p in range(transport.world) if p != transport.rank]
+    # Every pair exchanges at least its statuses, so that every rank hears
+    # from every peer whether its call went well.
+    out += [Send([p], _NOTHING) for p in peers if not any(p in s.to for s in out)]
+    receives += [Receive(p, _NOTHING) for p in peers if not any(p == r.peer for r in receives)]
+    last_out = {p: i for i, s in enumerate(out) for p in s.to}
+    last_in = {r.peer: n for n, r in enumerate(receives)}
+    return Plan(out, receives, peers, last_out, last_in)
+
+
 def start_exchange(
     sends: Sequence[tuple[list[int], Region]],
     recvs: Sequence[tuple[int, Region]],
@@ -172,8 +266,9 @@ def start_exchange(
     add: bool = False,
     local: Callable[[int, int], None] | None = None,
     background: bool = False,
-    encoded: Callable[[torch.Tensor, torch.Tensor, Any], None] | None = None,
+    encoded: Encoded | None = None,
     before: Callable[[int | None], None] | None = None,
+    sent: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
     """
     Sends every region of ``sends`` (to its peers, which share one coding) and
@@ -187,142 +282,32 @@ def start_exchange(
     and ``local`` (whole, once every message is posted) read them before
     this returns, and where the transport
     moves its messages on its own, the receiving and decoding start now on
-    the background thread (``_background``). ``encoded(x, wire, ctx)``, where
-    given, hears of every chunk this call encodes, in sending order, for the
-    caller's own record of it. ``before(peer)``, where given, runs before the
-    first message of each peer is waited for (in the order of ``recvs``), and
-    ``before(None)`` after the last. A disagreement or failure raises
-    :class:`~qcomm.CodecError` on every rank.
+    the background thread (``_background``). ``encoded`` (see
+    :data:`Encoded`), where given, hears of every chunk this call encodes,
+    with its :class:`Piece`, for the caller's own record of it; ``sent()``,
+    where given, runs once every message is sent. ``before(peer)``,
+    where given, runs before the first message of each peer is waited for
+    (in the order of ``recvs``), and ``before(None)`` after the last. The
+    checks between the ranks are :class:`~._protocol.Protocol`'s. A
+    disagreement or failure raises :class:`~qcomm.CodecError` on every rank.
     """
-    transport, name = call.transport, call.name
-
-    def cut(region: Region, coding: Coding) -> list[tuple[int, int]]:
-        align = coding.alignment(transport.chunked)
-        if align is None:
-            return [(0, region.length)]
-        return region.chunks(align, chunk_elements(region.length, chunk_bytes))
-
-    def size_of(coding: Coding, start: int, stop: int) -> int:
-        return quantized_sizes(coding.codec, coding.ctx, [stop - start])[0]
-
-    def pieces(coding: Coding, region: Region) -> list[tuple[Region | None, int, int, int]]:
-        return [(region, a, b, size_of(coding, a, b)) for a, b in cut(region, coding)]
-
-    incoming: list[tuple[int, Region | None, int, int, int]] = [
-        (peer, *piece) for peer, into in recvs for piece in pieces(codings[peer], into)
-    ]
-    outgoing: list[tuple[list[int], Region | None, int, int, int]] = []
-    for to, sent in sends:
-        coding = codings[to[0]]
-        if any(codings[p] is not coding for p in to):
-            raise AssertionError("qcomm: a region sent to several peers goes with one coding")
-        outgoing += [(to, *piece) for piece in pieces(coding, sent)]
-    peers = [p for p in range(transport.world) if p != transport.rank]
-    # Every pair exchanges at least its statuses, so that every rank hears
-    # from every peer whether its call went well.
-    outgoing += [([p], None, 0, 0, 0) for p in peers if not any(p in o[0] for o in outgoing)]
-    incoming += [(p, None, 0, 0, 0) for p in peers if not any(p == i[0] for i in incoming)]
-    last_out = {p: i for i, (to, *_) in enumerate(outgoing) for p in to}
-    last_in = {i[0]: n for n, i in enumerate(incoming)}
-    flows = _flows(peers, incoming, outgoing)
-
-    def encode(
-        coding: Coding, region: Region | None, start: int, stop: int, size: int
-    ) -> torch.Tensor:
-        if region is None:
-            return torch.empty(0, dtype=coding.wire_dtype, device=transport.device)
-        chunk = region.read(start, stop)
-        if coding.identity:
-            return chunk
-        codec = coding.codec
-        x = encodable(chunk, codec)
-        wire = checked_encode(codec, coding.ctx, x, size, coding.wire_dtype)
-        if encoded is not None:
-            encoded(x, wire, coding.ctx)
-        return wire
-
-    # A call waited for later leaves its caller free to change its tensors
-    # once it returns, but the point-to-point transport reads a wire while
-    # gloo sends it: a chunk sent before the last that is the caller's
-    # memory (no-op coding) goes as a copy, all of them in one kept buffer.
-    # (A peer's last chunk is copied anyway, joined with its status.)
-    lent = background and transport.moves_alone
-    copies = 0
-    if lent:
-        copies = sum(
-            size
-            for i, (to, region, _, _, size) in enumerate(outgoing)
-            if region is not None and codings[to[0]].identity and any(last_out[p] != i for p in to)
-        )
-    stage = transport.hold(_buffers.take(copies, dtype, transport.device)) if copies else None
-    staged = 0
-
-    def lend(wire: torch.Tensor, region: Region | None) -> torch.Tensor:
-        nonlocal staged
-        if not _reads(wire, region):
-            return wire
-        if stage is None or staged + wire.numel() > stage.numel() or wire.dtype != dtype:
-            return wire.clone()  # a codec that hands its input back
-        copy = stage[staged : staged + wire.numel()]
-        staged += wire.numel()
-        return copy.copy_(wire)
-
-    checked = call.checked and bool(peers)
-    headers = _announce(peers, flows, codings, dtype, call) if checked else {}
+    transport = call.transport
+    steps = plan(sends, recvs, codings, transport, chunk_bytes)
+    finish = _Receiver(steps, codings, transport, add, before)
+    lender = _Lender(steps, codings) if background and transport.moves_alone else None
+    protocol = Protocol(call, codings, dtype, _flows(steps))
+    if lender is not None and lender.copies:
+        stage = _buffers.take(lender.copies, lender.dtype, transport.device)
+        lender.stage = transport.hold(stage)
+    protocol.announce()
     # Receives are posted at once, as this rank expects them (its headers
-    # say so); a peer sends its data only once it has read them. A peer's
-    # last message carries its status too: it lands in the shared buffer.
-    pending = []
-    for n, (peer, region, start, stop, size) in enumerate(incoming):
-        coding = codings[peer]
-        last = last_in[peer] == n
-        into = None
-        if region and coding.identity and not add and not last:
-            into = region.target(start, stop)
-        if into is not None and not into.is_contiguous():
-            into = None
-        extra = _header.status_elements(coding.wire_dtype) if last else 0
-        handle = transport.expect(peer, size + extra, coding.wire_dtype, into)
-        pending.append((peer, handle, region, start, stop, size if last else None))
+    # say so); a peer sends its data only once it has read them.
+    finish.post(protocol)
     transport.start()
-    failure: Exception | None = None
-    held: dict[int, torch.Tensor] = {}
     try:
-        agreed, disagreement, someone_failed = (
-            _check(headers, transport, name) if checked else (set(peers), None, False)
-        )
-        if someone_failed and not transport.chunked:
-            # A rank that failed before the call never joins the all-to-all:
-            # neither does any other (each has its header).
-            transport.abandon()
-            raise disagreement or CodecError(f"{name}: a peer failed")
-        failure = disagreement
-        for i, (to, region, start, stop, size) in enumerate(outgoing):
-            targets = [p for p in to if p in agreed]
-            if not targets:
-                continue
-            coding = codings[to[0]]
-            if failure is None:
-                try:
-                    wire = encode(coding, region, start, stop, size)
-                except Exception as err:
-                    failure = err
-            if failure is not None:
-                # The peers have posted receives of this size: fill them.
-                wire = torch.zeros(size, dtype=coding.wire_dtype, device=transport.device)
-            if lent and any(last_out[p] != i for p in targets):
-                wire = lend(wire, region)
-            for peer in targets:
-                if last_out[peer] == i:
-                    # Sent once every chunk is encoded, with the status of
-                    # the whole call: a peer never hears "ok" from a rank
-                    # that then fails on another peer's data.
-                    held[peer] = wire
-                else:
-                    transport.send(peer, wire)
-        for peer, wire in held.items():
-            own = _identity(name, transport.number, codings[peer], dtype, flows[peer][0])
-            transport.send(peer, wire, _header.status(failure is None, own))
+        agreed, disagreement = protocol.agree()
+        failure = _send(steps, agreed, disagreement, codings, transport, protocol, lender, encoded)
+        protocol.release(failure is None)
         transport.flush()
     except BaseException:
         transport.abandon()
@@ -330,100 +315,208 @@ def start_exchange(
     if failure is not None:
         transport.abandon()
         raise failure
+    if sent is not None:
+        sent()
     if background and local is not None:
         # The caller may refill its input once the call returns: the own
         # block is copied now, its messages already on their way.
         local(0, 1)
         local = None
-    pending = [item for item in pending if item[0] in agreed]
-    expected = {
-        p: _identity(name, transport.number, codings[p], dtype, flows[p][1]) for p in agreed
-    }
-    statuses: dict[int, bytes | torch.Tensor] = {}
+    finish.keep(agreed, local)
+    if background and transport.moves_alone:
+        return _background.later(finish)
+    return finish
 
-    def status_problems() -> str | None:
-        # One read of every status: on a GPU, the one host synchronisation
-        # of the call, where wait() waits anyway.
-        if not statuses:
-            return None
-        order = sorted(statuses)
-        on_device = [s for p in order if isinstance(s := statuses[p], torch.Tensor)]
-        # One copy to the host for all that are on a device (one wait for it).
-        if on_device:
-            host = iter(torch.cat(on_device).cpu().numpy().reshape(len(on_device), -1))
-        blobs = b"".join(
-            s if isinstance(s, bytes) else next(host).tobytes()
-            for s in (statuses[p] for p in order)
-        )
-        width = _header.STATUS_BYTES
-        said = [
-            problem
-            for i, p in enumerate(order)
-            if (problem := _header.status_problem(blobs[i * width :], expected[p], p))
+
+class _Lender:
+    """
+    A call waited for later leaves its caller free to change its tensors
+    once it returns, but the point-to-point transport reads a wire while
+    gloo sends it: a chunk sent before the last that is the caller's memory
+    (no-op coding) goes as a copy, all of them in one kept buffer,
+    :attr:`stage`. (A peer's last chunk is copied anyway, joined with its
+    status.)
+    """
+
+    def __init__(self, steps: Plan, codings: PeerCodings) -> None:
+        lent = [
+            s
+            for i, s in enumerate(steps.sends)
+            if s.piece.region is not None
+            and codings[s.to[0]].identity
+            and any(steps.last_out[p] != i for p in s.to)
         ]
-        if not said:
-            return None
-        return f"{name}: {'; '.join(said)}, so this rank's result is void"
+        #: elements to copy, and their dtype (a no-op coding's wire is the data)
+        self.copies = sum(s.piece.size for s in lent)
+        self.dtype = codings[lent[0].to[0]].wire_dtype if lent else torch.float32
+        self.stage: torch.Tensor | None = None
+        self._staged = 0
 
-    def finish() -> None:
+    def lend(self, wire: torch.Tensor, region: Region | None) -> torch.Tensor:
+        """``wire``, or a copy of it where it is the memory of ``region``."""
+        if not _reads(wire, region):
+            return wire
+        stage, staged = self.stage, self._staged
+        if stage is None or staged + wire.numel() > stage.numel() or wire.dtype != stage.dtype:
+            return wire.clone()  # a codec that hands its input back
+        self._staged += wire.numel()
+        return stage[staged : staged + wire.numel()].copy_(wire)
+
+
+def _send(
+    steps: Plan,
+    agreed: set[int],
+    failure: Exception | None,
+    codings: PeerCodings,
+    transport: Transport,
+    protocol: Protocol,
+    lender: _Lender | None,
+    encoded: Encoded | None,
+) -> Exception | None:
+    """Encodes and sends every piece to the agreeing peers; the call's failure, if any."""
+    for i, (to, piece) in enumerate(steps.sends):
+        targets = [p for p in to if p in agreed]
+        if not targets:
+            continue
+        coding = codings[to[0]]
+        if failure is None:
+            try:
+                wire = _encode(coding, piece, transport.device, encoded)
+            except Exception as err:
+                failure = err
+        if failure is not None:
+            # The peers have posted receives of this size: fill them.
+            wire = torch.zeros(piece.size, dtype=coding.wire_dtype, device=transport.device)
+        if lender is not None and any(steps.last_out[p] != i for p in targets):
+            wire = lender.lend(wire, piece.region)
+        for peer in targets:
+            if steps.last_out[peer] == i:
+                protocol.hold(peer, wire)
+            else:
+                transport.send(peer, wire)
+    return failure
+
+
+def _encode(
+    coding: Coding, piece: Piece, device: torch.device, encoded: Encoded | None
+) -> torch.Tensor:
+    """The wire of one piece."""
+    region = piece.region
+    if region is None:
+        return torch.zeros(0, dtype=coding.wire_dtype, device=device)
+    chunk = region.read(piece.start, piece.stop)
+    if coding.identity:
+        return chunk
+    x = encodable(chunk, coding.codec)
+    wire = checked_encode(coding.codec, coding.ctx, x, piece.size, coding.wire_dtype)
+    if encoded is not None:
+        encoded(piece, x, wire, coding.ctx)
+    return wire
+
+
+class _Receiver:
+    """
+    The receiving end of an exchange: posts every receive (:meth:`post`),
+    then, called, receives, decodes (or adds), reads the statuses and closes.
+    """
+
+    def __init__(
+        self,
+        steps: Plan,
+        codings: PeerCodings,
+        transport: Transport,
+        add: bool,
+        before: Callable[[int | None], None] | None,
+    ) -> None:
+        self._steps = steps
+        self._codings = codings
+        self._transport = transport
+        self._add = add
+        self._before = before
+        self._local: Callable[[int, int], None] | None = None
+        self._posted: list[Posted] = []
+        # Where each message lands: straight into its region where it is
+        # data of a no-op coding, not added and not a peer's last (which
+        # carries a status too, and lands in the shared buffer).
+        self._into: list[torch.Tensor | None] = []
+        for n, (peer, piece) in enumerate(steps.receives):
+            into = None
+            if piece.region is not None and codings[peer].identity and not add:
+                if steps.last_in[peer] != n:
+                    into = piece.region.target(piece.start, piece.stop)
+            self._into.append(into if into is not None and into.is_contiguous() else None)
+
+    def post(self, protocol: Protocol) -> None:
+        """Posts every receive on the transport, telling ``protocol`` where the statuses land."""
+        self._protocol = protocol
+        for n, (peer, piece) in enumerate(self._steps.receives):
+            wire_dtype = self._codings[peer].wire_dtype
+            last = self._steps.last_in[peer] == n
+            extra = protocol.status_elements(wire_dtype) if last else 0
+            handle = self._transport.expect(peer, piece.size + extra, wire_dtype, self._into[n])
+            if last:
+                protocol.last_posted(peer, handle, piece.size)
+            self._posted.append(Posted(peer, handle, piece, last))
+
+    def keep(self, agreed: set[int], local: Callable[[int, int], None] | None) -> None:
+        """Keeps the receives from ``agreed`` peers only; ``local``: see :func:`start_exchange`."""
+        self._posted = [item for item in self._posted if item.peer in agreed]
+        self._local = local
+
+    def __call__(self) -> None:
+        transport, protocol, pending = self._transport, self._protocol, self._posted
+        local, before = self._local, self._before
         parts = max(1, len(pending))
         try:
-            for n, (peer, handle, region, start, stop, last_size) in enumerate(pending):
+            for n, (peer, handle, piece, last) in enumerate(pending):
                 if local is not None:
                     local(n, parts)
-                if before is not None and (n == 0 or pending[n - 1][0] != peer):
+                if before is not None and (n == 0 or pending[n - 1].peer != peer):
                     before(peer)
                 wire = transport.received(handle)
-                if last_size is not None:
-                    statuses[peer] = transport.trailer_of(handle, last_size)
-                    wire = wire[:last_size]
-                if region is None:
+                if last:
+                    wire = protocol.last_received(peer, wire)
+                if piece.region is None:
                     continue
                 try:
-                    _decode(codings[peer], wire, region, start, stop)
+                    _decode(self._codings[peer], wire, piece, self._add)
                 except Exception:
                     # A peer that failed sent zeros: say so rather than
                     # what decoding them did.
-                    _receive_statuses()
-                    if why := status_problems():
+                    protocol.collect()
+                    if why := protocol.verdict():
                         raise CodecError(why) from None
                     raise
             if local is not None and not pending:
                 local(0, 1)
             if before is not None:
                 before(None)
-            if why := status_problems():
+            if why := protocol.verdict():
                 raise CodecError(why)
         except BaseException:
             transport.abandon()
             raise
         transport.close()
 
-    def _receive_statuses() -> None:
-        for peer, handle, _, _, _, last_size in pending:
-            if last_size is not None and peer not in statuses:
-                transport.received(handle)
-                statuses[peer] = transport.trailer_of(handle, last_size)
 
-    def _decode(coding: Coding, wire: torch.Tensor, region: Region, start: int, stop: int) -> None:
-        target = region.target(start, stop)
-        if coding.identity:
-            if target is None or wire.data_ptr() != target.data_ptr():
-                region.write(start, stop, wire, add)
-        elif (
-            coding.decode_into is not None
-            and not add
-            and target is not None
-            and target.dtype == torch.float32
-        ):
-            checked_decode(coding.codec, coding.ctx, wire, stop - start, into=target)
-        else:
-            decoded = checked_decode(coding.codec, coding.ctx, wire, stop - start)
-            region.write(start, stop, decoded, add)
-
-    if background and transport.moves_alone:
-        return _background.later(finish)
-    return finish
+def _decode(coding: Coding, wire: torch.Tensor, piece: Piece, add: bool) -> None:
+    """Stores (or adds) one received piece into its region."""
+    region, start, stop, _ = piece
+    assert region is not None
+    target = region.target(start, stop)
+    if coding.identity:
+        if target is None or wire.data_ptr() != target.data_ptr():
+            region.write(start, stop, wire, add)
+    elif (
+        coding.decode_into is not None
+        and not add
+        and target is not None
+        and target.dtype == torch.float32
+    ):
+        checked_decode(coding.codec, coding.ctx, wire, stop - start, into=target)
+    else:
+        decoded = checked_decode(coding.codec, coding.ctx, wire, stop - start)
+        region.write(start, stop, decoded, add)
 
 
 def _reads(wire: torch.Tensor, region: Region | None) -> bool:
@@ -433,76 +526,18 @@ def _reads(wire: torch.Tensor, region: Region | None) -> bool:
     return bool(wire.untyped_storage().data_ptr() == region.region.untyped_storage().data_ptr())
 
 
-def _identity(
-    name: str, number: int, coding: Coding, dtype: torch.dtype, flow: _header.Flow
-) -> int:
-    """What a status says of the call between two ranks (see :func:`_header.identity`)."""
-    return _header.identity(name, number, coding.print, str(dtype), flow)
-
-
-def _flows(
-    peers: list[int],
-    incoming: list[tuple[int, Region | None, int, int, int]],
-    outgoing: list[tuple[list[int], Region | None, int, int, int]],
-) -> dict[int, tuple[_header.Flow, _header.Flow]]:
+def _flows(steps: Plan) -> dict[int, Flows]:
     """What this rank sends each peer and expects from it: elements and chunk wire sizes."""
-    sends: dict[int, list[Any]] = {p: [0, []] for p in peers}
-    expects: dict[int, list[Any]] = {p: [0, []] for p in peers}
-    for to, region, start, stop, size in outgoing:
+    sent: dict[int, list[Piece]] = {p: [] for p in steps.peers}
+    expected: dict[int, list[Piece]] = {p: [] for p in steps.peers}
+    for to, piece in steps.sends:
         for p in to:
-            if region is not None:
-                sends[p][0] += stop - start
-                sends[p][1].append(size)
-    for p, region, start, stop, size in incoming:
-        if region is not None:
-            expects[p][0] += stop - start
-            expects[p][1].append(size)
-    return {
-        p: (
-            _header.Flow(sends[p][0], tuple(sends[p][1])),
-            _header.Flow(expects[p][0], tuple(expects[p][1])),
-        )
-        for p in peers
-    }
+            sent[p].append(piece)
+    for peer, piece in steps.receives:
+        expected[peer].append(piece)
+    return {p: Flows(_flow(sent[p]), _flow(expected[p])) for p in steps.peers}
 
 
-def _announce(
-    peers: list[int],
-    flows: dict[int, tuple[_header.Flow, _header.Flow]],
-    codings: PeerCodings,
-    dtype: torch.dtype,
-    call: Call,
-) -> dict[int, tuple[_header.Header, Any]]:
-    """Sends this rank's header to every peer (with that peer's coding) and posts theirs."""
-    headers = {}
-    transport = call.transport
-    for p in peers:
-        sent, expected = flows[p]
-        coding = codings[p]
-        mine = _header.Header(
-            _header.OK, call.name, coding.print, str(dtype), sent, expected, coding.name
-        )
-        headers[p] = (mine, transport.expect_control(p))
-    for p in peers:
-        transport.send_control(p, headers[p][0].pack())
-    call.announced = True
-    return headers
-
-
-def _check(
-    headers: dict[int, tuple[_header.Header, Any]], transport: Transport, call: str
-) -> tuple[set[int], CodecError | None, bool]:
-    """Reads every peer's header: the peers that agree, what differs, and whether one failed."""
-    blobs = {p: transport.control(handle) for p, (_, handle) in headers.items()}
-    said = {
-        p: _header.problems(mine, p, transport.rank, blobs[p]) for p, (mine, _) in headers.items()
-    }
-    for p, problems in said.items():
-        if problems:
-            # The peer saw the same difference (or failed): nothing more
-            # travels between the two, and nothing waits for it.
-            transport.forget(p)
-    wrong = [text for problems in said.values() for text in problems]
-    agreed = {p for p, problems in said.items() if not problems}
-    failed = any(_header.failed(blob) for blob in blobs.values())
-    return agreed, CodecError(f"{call}: {'; '.join(wrong)}") if wrong else None, failed
+def _flow(pieces: list[Piece]) -> Flow:
+    data = [p for p in pieces if p.region is not None]
+    return Flow(sum(p.stop - p.start for p in data), tuple(p.size for p in data))

@@ -185,15 +185,9 @@ def pooled_forward(
         ([r], Rows(x[rows[r] : rows[r + 1]], padded[r][rank])) for r in send_order(rank, len(dims))
     ]
     recvs = [(s, Rows(band[s], padded[s][s])) for s in recv_order(rank, len(dims))]
+    local = copy_in_parts(band[rank], x[rows[rank] : rows[rank + 1]])
     finish = start_exchange(
-        sends,
-        recvs,
-        codings,
-        call,
-        x.dtype,
-        chunk_bytes,
-        local=copy_in_parts(band[rank], x[rows[rank] : rows[rank + 1]]),
-        background=True,
+        sends, recvs, codings, call, x.dtype, chunk_bytes, local=local, background=True
     )
     return _then(finish, out)
 

@@ -735,3 +735,54 @@ def test_close_all_joins_the_workers_and_lets_go_of_their_groups() -> None:
     assert torch.equal(future.wait(), torch.ones(1)) and ran == [group]
     worker.close(timeout=5.0)
     assert not worker._thread.is_alive() and worker.group is None
+
+
+def test_spec_errors_name_the_argument() -> None:
+    # Pairs are read by qcomm's one parser of pair specs, and each codec
+    # spec's error names the argument it came in.
+    for spec, gather, name in (
+        ("int8/", None, "spec"),
+        ("/fp16", None, "spec"),
+        ("int8/fp16/bf16", None, "spec"),
+        ("int9/fp16", None, "spec.forward"),
+        ("int8/int9", None, "spec.backward"),
+        ("int8", "int9", "gather"),
+        ("int9", "fp16", "spec"),
+        (None, "int9", "gather"),
+    ):
+        for make in (qcomm.ddp_comm_hook, DDPCommHookState):
+            with pytest.raises(CodecError) as err:
+                make(spec, gather=gather)
+            assert str(err.value).startswith(f"{name}: "), (spec, gather, str(err.value))
+    # What a pair gives is unchanged: a codec per step, from its spec.
+    state = DDPCommHookState(" int8:row_dim=64 / fp16 ", error_feedback=True)
+    assert repr(state) == (
+        "DDPCommHookState(reduce='int8:row_dim=64', gather='fp16', error_feedback=True)"
+    )
+    assert pickle.loads(pickle.dumps(state)).gather_codec.info.name == "fp16"
+
+
+def test_one_split_of_a_bucket_for_the_all_reduce_and_the_hook() -> None:
+    from qcomm.collectives._blocks import split_blocks
+    from qcomm.collectives._hosts import ByHost
+
+    def codec(spec: str) -> Any:
+        return qcomm.load_codec(spec)
+
+    # The blocks start at multiples of every codec's scale block (the least
+    # common multiple), whichever way the all-reduce or the hook holds them.
+    assert split_blocks(1000, 3, codec("mx4:group_size=16"), codec("fp16")) == [0, 336, 672, 1000]
+    assert split_blocks(1000, 3, None, None) == layout(1000, 3, 1)
+    host = qcomm.HostCodecs(
+        same_host=qcomm.QuantizedCommCodecs(codec("fp16"), codec("int8:row_dim=64")),
+        other_host=qcomm.QuantizedCommCodecs(codec("mx4:group_size=16"), codec("fp16")),
+    )
+    expected = layout(1000, 3, 64)
+    assert split_blocks(1000, 3, host) == expected
+    reduce = ByHost(host.same_host.forward, host.other_host.forward, None, "")
+    gather = ByHost(host.same_host.backward, host.other_host.backward, None, "")
+    assert split_blocks(1000, 3, reduce, gather) == expected
+    # The hook lays its residuals out by it (rank 1 of 3's block here).
+    state = DDPCommHookState(host, error_feedback=True)
+    placed = state._layout(1000, torch.float32, [(1000,)], 3, 1)
+    assert (placed.start, placed.stop) == (expected[1], expected[2])

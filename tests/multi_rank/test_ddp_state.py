@@ -243,7 +243,11 @@ def check_resume(
         "version": 1,
         "error_feedback": True,
         "residuals": {
-            k: {"layout": e["layout"][:5], "scatter": e["scatter"], "gather": e["gather"]}
+            k: {
+                "layout": [e["layout"][f] for f in ("numel", "dtype", "world", "rank", "shapes")],
+                "scatter": e["scatter"],
+                "gather": e["gather"],
+            }
             for k, e in saved["residuals"].items()
         },
     }

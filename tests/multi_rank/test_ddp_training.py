@@ -26,21 +26,25 @@ other.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import math
 import os
 import threading
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_bucket import Bucket
 from dist_utils import TRANSPORTS, Outcome, check_case, run_outcomes, transport_env
 
 import qcomm
 from qcomm.collectives.all_reduce import Residuals, all_reduce
+from qcomm.ddp import DDPCommHookState
 
 WORLD = 2
 STEPS = 4
@@ -231,7 +235,7 @@ def case_bf16_feedback(rank: int, world: int) -> None:
             ((t - DRIFT_STEPS * e).abs().max() / m).item() for t, e, m in zip(totals, exact, big)
         ]
         if feedback:
-            dtypes = {e["layout"][1] for e in state.state_dict()["residuals"].values()}
+            dtypes = {e["layout"]["dtype"] for e in state.state_dict()["residuals"].values()}
             assert dtypes == {"torch.bfloat16", "torch.float32"}, f"buckets of {dtypes}"
     bounds = []
     for i, dtype in enumerate(MIXED_DTYPES):
@@ -294,14 +298,18 @@ def trainer(
     options: dict[str, Any],
     hook_state: Any = None,
     seen: list[int] | None = None,
+    walks: list[Walk] | None = None,
 ) -> tuple[Any, Any, Any]:
     """DDP of ``module`` (with ``options``) with the int8 hook and error feedback,
     and SGD with momentum; ``seen`` gets the number of parameters of every
-    bucket hooked."""
+    bucket hooked, ``walks`` (see :func:`counting_walks`) what the hook's
+    look for restored buckets walked."""
     model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.01, **options)
     state, hook = qcomm.ddp_comm_hook("int8", error_feedback=True)
     if hook_state is not None:
         state.load_state_dict(hook_state)
+    if walks is not None:
+        counting_walks(state, walks)
 
     def counting(state, bucket):  # type: ignore[no-untyped-def]
         # (No annotations: DDP checks them against the real types.)
@@ -312,6 +320,50 @@ def trainer(
     model.register_comm_hook(state, counting)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, opt, state
+
+
+@dataclasses.dataclass
+class Walk:
+    """What the hook's look for restored buckets did with one bucket."""
+
+    params: int  # the bucket's parameters
+    walked: int  # how many of them it numbered
+    regrouped: bool  # whether it found restored buckets held whole
+
+
+def counting_walks(state: Any, walks: list[Walk]) -> None:
+    """Has ``walks`` get, for every bucket the hook looks at for restored
+    buckets (``state._regroup``), its parameters, how many of them the look
+    numbered (walked) and whether it regrouped the bucket."""
+    regroup, number = state._regroup, state._number
+    walked = [0]
+
+    def counted_number(param: torch.Tensor) -> Any:
+        walked[0] += 1
+        return number(param)
+
+    def counted_regroup(bucket: Any) -> Any:
+        walked[0] = 0
+        state._number = counted_number
+        try:
+            parts = regroup(bucket)
+        finally:
+            del state._number
+        walks.append(Walk(len(bucket.parameters()), walked[0], parts is not None))
+        return parts
+
+    state._regroup = counted_regroup
+
+
+def version_2(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A hook state as qcomm wrote it before version 3: each layout a list of
+    its fields in this order (see ``V2_WRITTEN``)."""
+    order = ("numel", "dtype", "world", "rank", "shapes", "start", "stop")
+    residuals = {
+        k: {**e, "layout": [e["layout"][name] for name in order]}
+        for k, e in state_dict["residuals"].items()
+    }
+    return {**state_dict, "version": 2, "residuals": residuals}
 
 
 def saved(name: str, how: str) -> str:
@@ -331,27 +383,59 @@ def case_resume_whole(rank: int, world: int) -> None:
         torch.save({**checkpoint, "hook": state.state_dict()}, saved("checkpoint", how))
 
 
+def resume(how: str, hook_state: Callable[[Any], Any], walks: list[Walk] | None = None) -> None:
+    """In a fresh process: the checkpoint restored (its hook state through
+    ``hook_state``), the rest of the steps, bit for bit those in one go."""
+    whole = torch.load(saved("whole", how))
+    checkpoint = torch.load(saved("checkpoint", how))
+    module = mlp()
+    module.load_state_dict(checkpoint["model"])
+    seen: list[int] = []
+    model, opt, state = trainer(
+        module, DDP_OPTIONS[how], hook_state(checkpoint["hook"]), seen, walks
+    )
+    opt.load_state_dict(checkpoint["opt"])
+    losses = train(model, opt, RESUME_AT, RESUME_STEPS)
+    # DDP's first step hands every parameter in one bucket; the residuals
+    # were saved from its rebuilt buckets, several.
+    params = len(list(model.parameters()))
+    assert seen[0] == params, f"{how}: first resumed step: buckets of {seen} parameters"
+    assert len(checkpoint["hook"]["residuals"]) > 1, "the case wants several saved buckets"
+    for t, (a, b) in enumerate(zip(losses, whole["losses"][RESUME_AT:]), RESUME_AT):
+        assert torch.equal(a, b), f"{how}: step {t}: loss {a.item()!r}, in one go {b.item()!r}"
+    for name, w in model.module.state_dict().items():
+        assert torch.equal(w, whole["weights"][name]), f"{how}: {name} differs"
+    assert state.resets == 0, f"{how}: resets {state.resets}"
+
+
 def case_resume_rest(rank: int, world: int) -> None:
-    # In a fresh process: the checkpoint restored, the rest of the steps.
-    for how, options in DDP_OPTIONS.items():
-        whole = torch.load(saved("whole", how))
-        checkpoint = torch.load(saved("checkpoint", how))
-        module = mlp()
-        module.load_state_dict(checkpoint["model"])
-        seen: list[int] = []
-        model, opt, state = trainer(module, options, checkpoint["hook"], seen)
-        opt.load_state_dict(checkpoint["opt"])
-        losses = train(model, opt, RESUME_AT, RESUME_STEPS)
-        # DDP's first step hands every parameter in one bucket; the residuals
-        # were saved from its rebuilt buckets, several.
-        params = len(list(model.parameters()))
-        assert seen[0] == params, f"{how}: first resumed step: buckets of {seen} parameters"
-        assert len(checkpoint["hook"]["residuals"]) > 1, "the case wants several saved buckets"
-        for t, (a, b) in enumerate(zip(losses, whole["losses"][RESUME_AT:]), RESUME_AT):
-            assert torch.equal(a, b), f"{how}: step {t}: loss {a.item()!r}, in one go {b.item()!r}"
-        for name, w in model.module.state_dict().items():
-            assert torch.equal(w, whole["weights"][name]), f"{how}: {name} differs"
-        assert state.resets == 0, f"{how}: resets {state.resets}"
+    for how in DDP_OPTIONS:
+        resume(how, lambda hook: hook)
+
+
+def case_resume_from_version_2(rank: int, world: int) -> None:
+    # The checkpoint's hook state as qcomm wrote it before version 3.
+    for how in DDP_OPTIONS:
+        resume(how, lambda hook: version_2(hook))
+
+
+def case_resume_stops_looking(rank: int, world: int) -> None:
+    # Once DDP's buckets are those saved, the hook's look for restored
+    # buckets held whole stops at each bucket's first parameter.
+    for how in DDP_OPTIONS:
+        walks: list[Walk] = []
+        resume(how, lambda hook: hook, walks)
+        params = len(list(mlp().parameters()))
+        # One bucket of every parameter on the first step, two with a static
+        # graph: each regrouped into the buckets saved.
+        whole = [w for w in walks if w.params == params]
+        assert len(whole) == (2 if how == "static" else 1), f"{how}: {walks}"
+        assert all(w.regrouped for w in whole), f"{how}: {walks}"
+        # Then DDP's rebuilt buckets, as many each step; those of the last step.
+        rebuilt = walks[len(whole) :]
+        last = rebuilt[-len(rebuilt) // (RESUME_STEPS - RESUME_AT - len(whole)) :]
+        assert max(w.params for w in last) > 1, f"{how}: the case wants a bucket of parameters"
+        assert all(w.walked <= 1 for w in last), f"{how}: the last step walked {last}"
 
 
 CASES: dict[str, Callable[[int, int], None]] = {
@@ -364,7 +448,9 @@ CASES: dict[str, Callable[[int, int], None]] = {
     )
 }
 # In a spawn of their own, after the others.
-LATER: dict[str, Callable[[int, int], None]] = {case_resume_rest.__name__: case_resume_rest}
+LATER: dict[str, Callable[[int, int], None]] = {
+    f.__name__: f for f in (case_resume_rest, case_resume_from_version_2, case_resume_stops_looking)
+}
 
 
 def run_case(case: str, rank: int, world: int) -> None:
@@ -437,3 +523,88 @@ def test_training_resumed_in_a_fresh_process_matches_training_in_one_go(
     transport: str, spawned: Spawned
 ) -> None:
     check(spawned, transport, case_resume_rest)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_training_resumed_from_a_version_2_state_matches_training_in_one_go(
+    transport: str, spawned: Spawned
+) -> None:
+    check(spawned, transport, case_resume_from_version_2)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_once_buckets_are_those_saved_the_look_for_restored_ones_stops_at_their_first_parameter(
+    transport: str, spawned: Spawned
+) -> None:
+    check(spawned, transport, case_resume_stops_looking)
+
+
+# --------------------------------------------------------------------------
+# What needs no peers: the format of version 2.
+
+# What qcomm wrote before version 3 (at 66657b0) for BUCKETS hooked with int8
+# and error feedback on one rank (its residuals zero, nothing being lost
+# alone), the tensors as lists.
+V2_WRITTEN: dict[str, Any] = {
+    "version": 2,
+    "error_feedback": True,
+    "residuals": {
+        0: {
+            "index": 0,
+            "layout": [16, "torch.float32", 1, 0, [[4, 3], [4]], 0, 16],
+            "params": [0, 1],
+            "scatter": [0.0] * 16,
+            "gather": [0.0] * 16,
+        },
+        1: {
+            "index": 1,
+            "layout": [40, "torch.float32", 1, 0, [[40]], 0, 40],
+            "params": [2],
+            "scatter": [0.0] * 40,
+            "gather": [0.0] * 40,
+        },
+    },
+}
+# elements, index, shapes
+BUCKETS: list[tuple[int, int, Any]] = [(16, 0, ((4, 3), (4,))), (40, 1, ((40,),))]
+
+
+def as_lists(state_dict: dict[str, Any]) -> dict[str, Any]:
+    residuals = {
+        k: {**e, **{t: e[t].tolist() for t in ("scatter", "gather")}}
+        for k, e in state_dict["residuals"].items()
+    }
+    return {**state_dict, "residuals": residuals}
+
+
+def test_version_2_states_load_and_are_used() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        state, hook = qcomm.ddp_comm_hook("int8", error_feedback=True)
+        buckets = [Bucket(torch.arange(float(n)), index, shapes) for n, index, shapes in BUCKETS]
+        for bucket in buckets:
+            hook(state, bucket).wait()
+        saved = state.state_dict()
+        assert saved["version"] == 3
+        # The tests' version 2 (resume_from_version_2) is what qcomm wrote.
+        assert as_lists(version_2(saved)) == V2_WRITTEN
+        # Written so, residuals of any value load, as version 3 would, and
+        # the buckets of the same parameters take them.
+        old = copy.deepcopy(V2_WRITTEN)
+        for k, e in old["residuals"].items():
+            e["scatter"] = torch.arange(len(e["scatter"]), dtype=torch.float32) + k + 1
+            e["gather"] = -torch.arange(len(e["gather"]), dtype=torch.float32) - k
+        restored = DDPCommHookState("int8", error_feedback=True)
+        restored.load_state_dict(old)
+        again = restored.state_dict()
+        assert again["version"] == 3 and version_2(again)["residuals"].keys() == {0, 1}
+        assert as_lists(version_2(again)) == as_lists(old)
+        for bucket in buckets:
+            hook(restored, bucket).wait()  # alone: nothing is lost, nothing changes
+            got = restored.residuals(cast(Any, bucket))
+            for name in ("scatter", "gather"):
+                expected = old["residuals"][bucket.index()][name]
+                assert torch.equal(getattr(got, name), expected), f"{bucket.index()} {name}"
+        assert restored.resets == 0
+    finally:
+        dist.destroy_process_group()

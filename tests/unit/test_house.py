@@ -48,6 +48,11 @@ def test_every_public_name_and_submodule_resolves() -> None:
         assert getattr(qcomm, name) is not None, name
     assert set(qcomm.__all__) <= set(dir(qcomm))
     assert qcomm.collectives.all_to_all_pooled is qcomm.all_to_all_pooled
+    # Every public collective is at the top level with the others; the
+    # all-reduce's module stays importable under its own name.
+    assert qcomm.collectives.all_gather_pooled is qcomm.all_gather_pooled
+    all_reduce_module = importlib.import_module("qcomm.collectives.all_reduce")
+    assert all_reduce_module.all_reduce is qcomm.all_reduce
     try:
         qcomm.no_such_name  # noqa: B018
     except AttributeError as err:
