@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from qcomm._table import format_table
-from qcomm.benchmark._children import describe, end_with_parent, exit_status, stop_on_signals
+from qcomm.benchmark.children import describe, end_with_parent, exit_status, stop_on_signals
 from qcomm.benchmark.command import add_bench_arguments, run_bench
 from qcomm.benchmark.options import parse_number
 from qcomm.discovery import codec_entries, load_codec

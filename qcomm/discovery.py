@@ -16,9 +16,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from stevedore import DriverManager, ExtensionManager
+from stevedore import DriverManager
 from stevedore.extension import error_on_conflict
 
+from qcomm import config
 from qcomm.errors import CodecError
 from qcomm.specs import parse_codec_spec
 
@@ -28,7 +29,6 @@ if TYPE_CHECKING:  # loading a codec imports torch; listing codecs must not
 __all__ = ["ENTRY_POINT_GROUP", "CodecEntry", "available_codecs", "codec_entries", "load_codec"]
 
 ENTRY_POINT_GROUP = "qcomm.codecs"
-_PLUGINS_ENV = "QCOMM_PLUGINS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +75,8 @@ def _scan() -> dict[str, list[CodecEntry]]:
 
 
 def _allowed(found: dict[str, list[CodecEntry]]) -> dict[str, list[CodecEntry]]:
-    """``found`` less what ``QCOMM_PLUGINS`` leaves out."""
-    raw = os.environ.get(_PLUGINS_ENV, "").strip()
+    """``found`` less what the setting ``plugins`` (``QCOMM_PLUGINS``) leaves out."""
+    raw, where = config._read("plugins")
     if not raw:
         return dict(sorted(found.items()))
     allowed = {_normalize(d) for d in raw.split(",") if d.strip()}
@@ -88,7 +88,7 @@ def _allowed(found: dict[str, list[CodecEntry]]) -> dict[str, list[CodecEntry]]:
             f"{', '.join(unknown)} registers no qcomm codec" if unknown else "names no distribution"
         )
         raise CodecError(
-            f"{_PLUGINS_ENV}={raw!r}: {what}; distributions that register codecs: "
+            f"{where}={raw!r}: {what}; distributions that register codecs: "
             f"{', '.join(sorted(known.values())) or 'none'}"
         )
     kept = {
@@ -143,7 +143,8 @@ def _entry(name: str) -> tuple[CodecEntry, dict[str, list[CodecEntry]]]:
     if name not in allowed:
         known = ", ".join(allowed) or "none"
         left_out = found.get(name)
-        hidden = f" ({_PLUGINS_ENV} leaves out {left_out[0].distribution})" if left_out else ""
+        plugins = config._read("plugins")[1]
+        hidden = f" ({plugins} leaves out {left_out[0].distribution})" if left_out else ""
         raise CodecError(f"unknown codec {name!r}{hidden}; available codecs: {known}")
     entries = allowed[name]
     # Never pick one of two silently: a model trained with one and served
@@ -156,6 +157,33 @@ def _entry(name: str) -> tuple[CodecEntry, dict[str, list[CodecEntry]]]:
     return entries[0], allowed
 
 
+class _Listed(DriverManager[Any]):
+    """
+    stevedore's ``DriverManager`` over the entry points it is given. stevedore
+    lists a namespace once per process, in a class attribute
+    (``ExtensionManager.ENTRY_POINT_CACHE``), from a disk cache keyed on
+    sys.path mtimes packed as 32-bit floats (two minutes apart at today's
+    dates): it would miss a plugin installed, or hand out an old entry point
+    of one upgraded, after its first look, and it would see the distributions
+    ``QCOMM_PLUGINS`` leaves out. This manager's listing is its own (the
+    scan's), for its one load; stevedore's cache, which other code may use,
+    is left alone.
+    """
+
+    def __init__(self, listing: list[importlib.metadata.EntryPoint], name: str) -> None:
+        # Set before the base class's __init__, which lists and loads.
+        self._listing = listing
+        super().__init__(
+            ENTRY_POINT_GROUP,
+            name,
+            on_missing_entrypoints_callback=None,  # the scan has found it
+            conflict_resolver=error_on_conflict,
+        )
+
+    def list_entry_points(self) -> list[importlib.metadata.EntryPoint]:
+        return self._listing
+
+
 def _load_factory(name: str, allowed: dict[str, list[CodecEntry]]) -> Any:
     """The object entry point ``name`` names, imported by stevedore from ``allowed``."""
     listing = [
@@ -163,22 +191,7 @@ def _load_factory(name: str, allowed: dict[str, list[CodecEntry]]) -> Any:
         for entries in allowed.values()
         for e in entries
     ]
-    # stevedore lists a namespace once per process (ENTRY_POINT_CACHE), from a
-    # disk cache keyed on sys.path mtimes packed as 32-bit floats (two minutes
-    # apart at today's dates): it would miss a plugin installed, or hand out an
-    # old entry point of one upgraded, after its first look, and it would see
-    # the distributions QCOMM_PLUGINS leaves out. So its listing of qcomm's own
-    # namespace is the scan's. No lock: the import runs inside DriverManager and
-    # a plugin may load a codec as it is imported; a thread that reads another
-    # thread's listing reads one as fresh as its own.
-    ExtensionManager.ENTRY_POINT_CACHE[ENTRY_POINT_GROUP] = listing
-    manager: DriverManager[Any] = DriverManager(
-        ENTRY_POINT_GROUP,
-        name,
-        on_missing_entrypoints_callback=None,  # the scan has found it
-        conflict_resolver=error_on_conflict,
-    )
-    return manager.driver
+    return _Listed(listing, name).driver
 
 
 # A plugin's package -> (its module object, "distribution version").

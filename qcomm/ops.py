@@ -1,7 +1,6 @@
 r"""
 The collectives by name: :class:`~qcomm.CommOp`, the embedding collectives a
-TorchRec registry is keyed by, and :class:`~qcomm.ops.DenseOp`, the dense gradients'
-all-reduce of the DDP hook. Importable without torch, so that the command
+TorchRec registry is keyed by. Importable without torch, so that the command
 line's front end (``qcomm list``, argument parsing) stays fast.
 """
 
@@ -11,7 +10,7 @@ import enum
 
 from qcomm.errors import CodecError
 
-__all__ = ["BenchOp", "CommOp", "DenseOp"]
+__all__ = ["CommOp"]
 
 
 # CommOp value -> the qcomm collective that runs it.
@@ -65,13 +64,3 @@ class CommOp(enum.Enum):
                 return cls[key]
         known = ", ".join(m.value for m in cls)
         raise CodecError(f"unknown CommOp {op!r}: expected one of {known}")
-
-
-class DenseOp(enum.Enum):
-    r"""The collectives of dense gradients, measured beside :class:`~qcomm.CommOp`."""
-
-    ALL_REDUCE = "all_reduce"
-
-
-#: a collective ``qcomm bench`` measures
-BenchOp = CommOp | DenseOp

@@ -5,14 +5,13 @@ The per-collective codec registry that TorchRec sharders take as
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from qcomm import torchrec_exchange
+from qcomm import config, torchrec_exchange
 from qcomm.discovery import load_codec
-from qcomm.specs import HOST_KEYS, parse_host_spec, parse_registry_string
+from qcomm.specs import HOST_KEYS, parse_host_spec, parse_pair_spec, parse_registry_string
 from qcomm.types import (
     CodecError,
     CommOp,
@@ -25,7 +24,6 @@ from qcomm.types import (
 
 __all__ = ["build_registry", "load_pair"]
 
-_CODECS_ENV = "QCOMM_CODECS"
 # What a refused reduce-scatter codec is replaced with in the suggested fix:
 # summable, one wire element per element, and float32's range.
 _RS_FIX = "bf16"
@@ -34,8 +32,9 @@ _RS_FIX = "bf16"
 @dataclass
 class _Given:
     # How the caller gave the registry, so that an error can write its fix
-    # in the same form: "env" (QCOMM_CODECS), "string", "mapping" or
-    # "keywords"; entries are (op, the caller's key, the caller's value).
+    # in the same form: "env" (QCOMM_CODECS), "setting" (the setting codecs,
+    # set in code), "string", "mapping" or "keywords"; entries are (op, the
+    # caller's key, the caller's value).
     form: str
     where: str = "build_registry"
     entries: list[tuple[CommOp, Any, Any]] = field(default_factory=list)
@@ -113,10 +112,7 @@ def _load_pair(value: Any, where: str) -> QuantizedCommCodecs:
                 raise CodecError(f"{where}.{side}: expected a codec object, got {problem}")
         return value
     if isinstance(value, str):
-        parts = value.split("/")
-        if len(parts) > 2:
-            raise CodecError(f"{where}: expected 'forward/backward', got {value!r}")
-        forward, backward = parts[0], parts[-1]
+        forward, backward = parse_pair_spec(value, where)
     elif isinstance(value, (tuple, list)):
         if len(value) != 2:
             raise CodecError(
@@ -156,17 +152,20 @@ def build_registry(
     build_registry(codecs: Mapping | str | None = None, *, forward=None, backward=None, allow_unsummable_reduce_scatter=False) -> dict[str, QuantizedCommCodecs]
 
     Builds the registry TorchRec sharders take as ``qcomm_codecs_registry``
-    from keywords, a string (see :doc:`codecs`; with no argument,
-    ``QCOMM_CODECS``) or a mapping from :class:`~qcomm.CommOp` (or its name)
+    from keywords, a string (see :doc:`codecs`; with no argument, the setting
+    ``codecs`` of :mod:`qcomm.config`, ``QCOMM_CODECS``) or a mapping from :class:`~qcomm.CommOp` (or its name)
     to a ``(forward, backward)`` tuple, a ``"forward/backward"`` string, a
     :class:`~qcomm.QuantizedCommCodecs`, or one spec or codec for both.
 
     .. warning::
 
-        TorchRec's reduce-scatter sums the *wire* tensors and all-gathers its
-        gradient into a buffer of the unencoded size, so
+        TorchRec's *own* reduce-scatter sums the wire tensors and all-gathers
+        its gradient into a buffer of the unencoded size: where TorchRec's
+        transport is chosen (the setting ``torchrec_collectives`` is
+        ``"torchrec"``, or after :func:`qcomm.torchrec_exchange.uninstall`),
         ``POOLED_EMBEDDINGS_REDUCE_SCATTER`` takes only a summable forward
-        codec and a size-keeping backward one (see :doc:`torchrec`).
+        codec and a size-keeping backward one. On qcomm's exchange, the
+        default route, any pair works (see :doc:`torchrec`).
 
     Args:
         codecs (Mapping | str, optional): the mapping or string. Default: ``None``.
@@ -174,11 +173,12 @@ def build_registry(
             Default: ``None`` (no-op).
         backward (str | QuantizedCommCodec, optional): backward codec of every
             op. Default: ``None`` (no-op).
-        allow_unsummable_reduce_scatter (bool, optional): accept a reduce-scatter
-            codec that TorchRec's own transport cannot carry (it sums wires), for a
-            registry whose reduce-scatter runs only where each part is decoded
-            before the sum: qcomm's exchange (TorchRec's default route with a
-            qcomm registry) or :func:`~qcomm.reduce_scatter_pooled`. Default: ``False``.
+        allow_unsummable_reduce_scatter (bool, optional): accept, even where
+            TorchRec's transport is chosen, a reduce-scatter pair that it cannot
+            carry (it sums wires), for a registry whose reduce-scatter runs only
+            in :func:`~qcomm.reduce_scatter_pooled`; a TorchRec call that takes
+            TorchRec's transport with it is still refused. Needless on qcomm's
+            exchange, where any pair is accepted. Default: ``False``.
 
     Returns:
         dict[str, QuantizedCommCodecs]: pairs keyed by ``CommOp.name``; each
@@ -188,8 +188,8 @@ def build_registry(
         CodecError: if an op, codec or spec is unknown or malformed, or breaks
             the warning's rule; the message names the argument (or
             ``QCOMM_CODECS``) and the op, and writes the warning's fix in the
-            form the codecs were given (a ``QCOMM_CODECS=...`` setting, a
-            string or a mapping).
+            form the codecs were given (a ``QCOMM_CODECS=...`` variable, the
+            setting ``codecs``, a string or a mapping).
 
     Examples::
 
@@ -212,8 +212,8 @@ def build_registry(
         return _checked(registry, allow_unsummable_reduce_scatter, keywords)
     given = _Given("mapping")
     if codecs is None:
-        codecs = os.environ.get(_CODECS_ENV, "").strip()
-        given = _Given("env", where=_CODECS_ENV)
+        codecs, where = config._read("codecs")
+        given = _Given("env" if where == config.VARIABLES["codecs"] else "setting", where=where)
         if not codecs:
             return registry
     elif isinstance(codecs, str):
@@ -286,49 +286,48 @@ def _check_reduce_scatter(
     pair = registry.get(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name)
     if pair is None or allow_unsummable_reduce_scatter:
         return
+    # Only TorchRec's own transport sums wires: qcomm's exchange (the route
+    # TorchRec takes with a qcomm registry unless told otherwise) and
+    # reduce_scatter_pooled decode every part and sum in float32, and gather
+    # the gradient decoded. So the rule holds only where the route is chosen
+    # to be TorchRec's; a call that lands there by another way (synchronous or
+    # compiled mode) is refused when it is made.
+    why = torchrec_exchange._chosen_route()
+    if why is None:
+        return
     forward_ok, backward_ok = torchrec_exchange.carried(pair)
     if forward_ok and backward_ok:
         return
     fix = _fix(given, forward_ok, backward_ok)
-    # Only TorchRec's own transport has the problem: qcomm's exchange (the
-    # route TorchRec takes with a qcomm registry) and reduce_scatter_pooled
-    # decode every part and sum in float32, and gather the gradient decoded.
     routes = (
-        "On qcomm's exchange, the route TorchRec's reduce-scatter takes with a qcomm "
-        "registry by default, and in qcomm.reduce_scatter_pooled, any codec works: each "
-        "part is decoded and summed in float32"
+        "On qcomm's exchange (torchrec_collectives='qcomm', the default) and in "
+        "qcomm.reduce_scatter_pooled, any codec works: each part is decoded and summed in "
+        "float32; if this registry's reduce-scatter runs only in "
+        "qcomm.reduce_scatter_pooled"
     )
     if given.form == "env":
         allow = (
-            f"{routes}; if this registry's reduce-scatter runs only there (never under "
-            f"{torchrec_exchange.ENV}=torchrec, TorchRec's synchronous or compiled mode, or "
-            f"after qcomm.torchrec_exchange.uninstall()), build it with "
-            f"build_registry(allow_unsummable_reduce_scatter=True) (which still reads "
-            f"{_CODECS_ENV})"
+            f"{routes}, build it with build_registry(allow_unsummable_reduce_scatter=True) "
+            f"(which still reads {given.where})"
         )
     else:
-        allow = (
-            f"{routes}; if this registry's reduce-scatter runs only there (never under "
-            f"{torchrec_exchange.ENV}=torchrec, TorchRec's synchronous or compiled mode, or "
-            f"after qcomm.torchrec_exchange.uninstall()), pass "
-            f"allow_unsummable_reduce_scatter=True"
-        )
+        allow = f"{routes}, pass allow_unsummable_reduce_scatter=True"
     if not forward_ok:
         name = codec_info(pair.forward).name
         raise CodecError(
             f"{given.where}: codec {name!r} cannot be the forward codec of "
-            f"POOLED_EMBEDDINGS_REDUCE_SCATTER on TorchRec's own transport: it sums the "
-            f"wire tensors, and {name!r} does not declare them summable "
-            f"(CodecInfo.summable), so the result would be silently wrong. Give that op a "
-            f"summable codec (noop, fp16, bf16), e.g. {fix}. {allow}"
+            f"POOLED_EMBEDDINGS_REDUCE_SCATTER on TorchRec's own transport, which TorchRec's "
+            f"reduce-scatter takes here ({why}): it sums the wire tensors, and {name!r} does "
+            f"not declare them summable (CodecInfo.summable), so the result would be silently "
+            f"wrong. Give that op a summable codec (noop, fp16, bf16), e.g. {fix}. {allow}"
         )
     name = codec_info(pair.backward).name
     raise CodecError(
         f"{given.where}: codec {name!r} cannot be the backward codec of "
-        f"POOLED_EMBEDDINGS_REDUCE_SCATTER on TorchRec's own transport: it all-gathers "
-        f"that gradient into a buffer of the unencoded size, and {name!r} changes the "
-        f"element count (calc_quantized_size). Use an element-wise codec there (noop, "
-        f"fp16, bf16), e.g. {fix}. {allow}"
+        f"POOLED_EMBEDDINGS_REDUCE_SCATTER on TorchRec's own transport, which TorchRec's "
+        f"reduce-scatter takes here ({why}): it all-gathers that gradient into a buffer of "
+        f"the unencoded size, and {name!r} changes the element count (calc_quantized_size). "
+        f"Use an element-wise codec there (noop, fp16, bf16), e.g. {fix}. {allow}"
     )
 
 
@@ -343,11 +342,13 @@ def _fix(given: _Given, forward_ok: bool, backward_ok: bool) -> str:
         if op is rs:
             value = _fixed_pair(value, forward_ok, backward_ok)
         fixed.append((key, value))
-    if given.form in ("env", "string"):
+    if given.form in ("env", "setting", "string"):
         # Every value is a "forward/backward" string of parse_registry_string.
         text = ",".join(f"{CommOp.parse(key).value}={value}" for key, value in fixed)
         if given.form == "env":
-            return f"{_CODECS_ENV}={_shell_quoted(text)}"
+            return f"{given.where}={_shell_quoted(text)}"
+        if given.form == "setting":
+            return f"qcomm.config.configure(codecs={text!r})"
         return f"build_registry({text!r})"
     rs_key = next(key for op, key, _ in given.entries if op is rs)
     if not all(_is_literal(value) for _, value in fixed):
@@ -368,8 +369,7 @@ def _fixed_pair(value: Any, forward_ok: bool, backward_ok: bool) -> Any:
         by_host["other_host"] = _fixed_pair(other, forward_ok, backward_ok)
         return "+".join(f"{key}={pair}" for key, pair in by_host.items())
     if isinstance(value, str):
-        parts = [part.strip() for part in value.split("/")]
-        forward, backward = parts[0], parts[-1]
+        forward, backward = parse_pair_spec(value)
     elif isinstance(value, (tuple, list)) and len(value) == 2:
         forward, backward = value
     else:

@@ -27,30 +27,42 @@ keeps TorchRec's transport for qcomm codecs (only the codecs change);
 from __future__ import annotations
 
 import copyreg
+import dataclasses
 import functools
 import importlib.abc
 import importlib.machinery
 import inspect
 import math
-import os
 import sys
 import threading
 import warnings
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 
-from qcomm import _events
+from qcomm import _events, config
 from qcomm.errors import CodecError
+from qcomm.ops import CommOp
 from qcomm.types import HostCodecs, QuantizedCommCodecs, codec_info
 
-__all__ = ["ENV", "carried", "enable", "enabled", "install", "installed", "uninstall"]
+__all__ = [
+    "ENV",
+    "Route",
+    "carried",
+    "enable",
+    "enabled",
+    "install",
+    "installed",
+    "route",
+    "uninstall",
+]
 
-#: the environment variable that chooses the transport of qcomm codecs in TorchRec
-ENV = "QCOMM_TORCHREC_COLLECTIVES"
+#: the environment variable of the setting ``torchrec_collectives``, which
+#: chooses the transport of qcomm codecs in TorchRec
+ENV = config.VARIABLES["torchrec_collectives"]
 
 _DIST_DATA = "torchrec.distributed.dist_data"
 _COMM_OPS = "torchrec.distributed.comm_ops"
@@ -93,11 +105,12 @@ _held_off = False
 _findable: bool | None = None
 # Whether a refused install was already told (once per process).
 _told = False
-# Whether qcomm codecs take qcomm's exchange: ENV read once per install, at
-# the first call with qcomm codecs. Read on every call, a variable changed
-# between calls (or between a forward and its backward) could send the
-# ranks through different doors, whose messages never meet: they would wait
-# for each other until the timeout. uninstall() is the way back to TorchRec's.
+# Whether qcomm codecs take qcomm's exchange: the setting read once per
+# install, at the first call with qcomm codecs. Read on every call, a setting
+# changed between calls (or between a forward and its backward) could send
+# the ranks through different doors, whose messages never meet: they would
+# wait for each other until the timeout. uninstall() is the way back to
+# TorchRec's.
 _door: bool | None = None
 
 
@@ -105,18 +118,15 @@ def enabled() -> bool:
     r"""
     enabled() -> bool
 
-    Whether qcomm codecs take qcomm's transport in TorchRec:
-    ``QCOMM_TORCHREC_COLLECTIVES`` unset, empty or ``qcomm``.
+    Whether qcomm codecs take qcomm's transport in TorchRec: the setting
+    ``torchrec_collectives`` (:func:`qcomm.config.get`) is ``"qcomm"``, as
+    by default (``QCOMM_TORCHREC_COLLECTIVES`` unset, empty or ``qcomm``).
 
     Raises:
-        ValueError: if the variable holds anything else.
+        ValueError: if ``QCOMM_TORCHREC_COLLECTIVES`` holds anything else.
     """
-    raw = os.environ.get(ENV, "").strip().lower()
-    if raw in ("", "qcomm"):
-        return True
-    if raw == "torchrec":
-        return False
-    raise ValueError(f"{ENV}: expected 'qcomm' or 'torchrec', got {raw!r}")
+    door: str = config._read("torchrec_collectives")[0]
+    return door == "qcomm"
 
 
 def installed() -> bool:
@@ -155,7 +165,9 @@ def install() -> None:
             raise RuntimeError(
                 "qcomm cannot run TorchRec's collectives on its exchange: "
                 + "; ".join(problems)
-                + f". Set {ENV}=torchrec to keep TorchRec's transport (qcomm's codecs still run)"
+                + f". Set {ENV}=torchrec (or qcomm.config.configure("
+                "torchrec_collectives='torchrec')) to keep TorchRec's transport (qcomm's "
+                "codecs still run)"
             )
         _awaitable_class = _make_awaitable_class()
         for name in _EXPECTED:
@@ -219,6 +231,120 @@ def _make_awaitable_class() -> type:
     return OnQcomm
 
 
+@dataclasses.dataclass(frozen=True)
+class Route:
+    r"""
+    Which transport a TorchRec call takes (:func:`route`), and why.
+
+    Args:
+        transport (str): ``"qcomm"`` (qcomm's exchange) or ``"torchrec"``
+            (TorchRec's own function, unchanged).
+        reason (str): why, in words.
+    """
+
+    transport: Literal["qcomm", "torchrec"]
+    reason: str
+
+
+def route(op: CommOp | str, codecs: Any = None, *, compiled: bool = False) -> Route:
+    r"""
+    route(op: CommOp | str, codecs: Any = None, *, compiled: bool = False) -> Route
+
+    Which transport a TorchRec call of ``op`` with ``codecs`` takes now: the
+    same decision its call makes (see :doc:`torchrec`). TorchRec's
+    transport is taken for codecs that are not a qcomm pair, where the
+    setting ``torchrec_collectives`` is ``"torchrec"``, where qcomm's exchange
+    is not installed (nor due at TorchRec's import), in TorchRec's
+    synchronous mode and under ``torch.compile``. A call also keeps TorchRec's
+    function on a group of one rank, or when it passes its own
+    ``all_to_all_single_comm``; those the call alone knows.
+
+    Args:
+        op (CommOp | str): the collective, a :class:`~qcomm.CommOp` or its name.
+        codecs (QuantizedCommCodecs, optional): the call's pair.
+            Default: ``None`` (any pair of a qcomm registry).
+        compiled (bool, optional): whether the call is traced by
+            ``torch.compile``. Default: ``False``.
+
+    Returns:
+        Route: the transport and why. On TorchRec's transport, a
+        reduce-scatter pair that it cannot carry (:func:`carried`) is
+        refused by the call; the reason says so.
+
+    Raises:
+        CodecError: if ``op`` names no :class:`~qcomm.CommOp`.
+        ValueError: if ``QCOMM_TORCHREC_COLLECTIVES`` is invalid.
+
+    Examples::
+
+        >>> from qcomm import config
+        >>> with config.configured(torchrec_collectives="torchrec"):
+        ...     route("pooled_embeddings_all_to_all").reason
+        "the setting torchrec_collectives is 'torchrec' (qcomm.config.torchrec_collectives)"
+        >>> route("pooled_embeddings_all_to_all", object()).transport
+        'torchrec'
+    """
+    op = CommOp.parse(op)
+    if codecs is not None and not isinstance(codecs, QuantizedCommCodecs):
+        return Route("torchrec", _NOT_OURS)
+    found = _route(compiled=compiled, due=True)
+    if found.transport == "torchrec" and op is CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER:
+        problems = _uncarried(codecs) if codecs is not None else []
+        if problems:
+            reason = f"{found.reason}; the call is refused: {'; '.join(problems)}"
+            return Route("torchrec", reason)
+    return found
+
+
+_NOT_OURS = "the codecs are not a qcomm pair (none, or TorchRec's own)"
+
+
+def _route(*, compiled: bool, due: bool) -> Route:
+    """
+    The route of a call with a qcomm pair: what a call decides (installed,
+    its door read) and what :func:`route` answers (``due``: an install due at
+    TorchRec's import counts).
+    """
+    if _door is not None and installed():
+        if not _door:
+            return Route(
+                "torchrec",
+                _chosen_route()
+                or "the setting torchrec_collectives was 'torchrec' at the first call since "
+                "install() (read again at the first call after the next install())",
+            )
+    else:
+        chosen = _chosen_route()
+        if chosen is not None:
+            return Route("torchrec", chosen)
+    if not installed() and not (due and _due()):
+        return Route(
+            "torchrec",
+            "qcomm's exchange is not installed in TorchRec (install(), or build a registry)",
+        )
+    comm_ops = sys.modules.get(_COMM_OPS)
+    if comm_ops is not None and comm_ops.get_use_sync_collectives():
+        return Route("torchrec", "TorchRec's synchronous collectives (set_use_sync_collectives)")
+    if compiled:
+        return Route("torchrec", "torch.compile traces TorchRec's own functions")
+    return Route("qcomm", "a qcomm pair, and qcomm's exchange installed in TorchRec")
+
+
+def _chosen_route() -> str | None:
+    """Why TorchRec's transport is chosen for qcomm codecs (the setting, or uninstall()), if it is."""
+    door, where = config._read("torchrec_collectives")
+    if door == "torchrec":
+        return f"the setting torchrec_collectives is 'torchrec' ({where})"
+    if _held_off:
+        return "qcomm.torchrec_exchange.uninstall() put TorchRec's functions back"
+    return None
+
+
+def _due() -> bool:
+    """Whether qcomm's exchange installs when TorchRec's ``dist_data`` is imported."""
+    return not _held_off and any(isinstance(f, _AfterImport) for f in sys.meta_path)
+
+
 def _ours(codecs: Any, group: Any) -> bool:
     """Whether this call goes to qcomm's exchange."""
     global _door
@@ -226,10 +352,7 @@ def _ours(codecs: Any, group: Any) -> bool:
         return False
     if _door is None:
         _door = enabled()
-    if not _door:
-        return False
-    comm_ops = sys.modules[_COMM_OPS]
-    if comm_ops.get_use_sync_collectives() or torch.compiler.is_compiling():
+    if _route(compiled=torch.compiler.is_compiling(), due=False).transport != "qcomm":
         return False
     return dist.get_world_size(group) > 1
 
@@ -248,9 +371,10 @@ def _replacement(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             group = dist.distributed_c10d._get_default_group()
         # A custom all_to_all_single_comm is TorchRec's way to swap its
         # transport: whoever passes one wants theirs.
-        if given.get("all_to_all_single_comm") is not None or not _ours(given["codecs"], group):
+        custom = given.get("all_to_all_single_comm") is not None
+        if custom or not _ours(given["codecs"], group):
             if name in _SUMMED:
-                _refuse_summed_wires(name, given["codecs"], group)
+                _refuse_summed_wires(name, given["codecs"], group, custom)
             return original(*args, **kwargs)
         _events.emit("torchrec_call", name)
         assert _awaitable_class is not None
@@ -284,30 +408,30 @@ def carried(pair: Any) -> tuple[bool, bool]:
     return codec_info(pair.forward).summable, keeps_size
 
 
-def _refuse_summed_wires(name: str, codecs: Any, group: Any) -> None:
-    # A qcomm pair that build_registry let through for qcomm's exchange
-    # (allow_unsummable_reduce_scatter=True) but whose call goes to TorchRec's
-    # transport after all: its result would be silently wrong, so every rank
-    # (all take the same route) raises instead.
-    if not isinstance(codecs, QuantizedCommCodecs) or dist.get_world_size(group) <= 1:
-        return
-    forward_ok, backward_ok = carried(codecs)
+def _uncarried(pair: Any) -> list[str]:
+    """What TorchRec's own transport cannot carry of a reduce-scatter pair, in words."""
+    forward_ok, backward_ok = carried(pair)
     problems = []
     if not forward_ok:
-        problems.append(f"forward codec {codec_info(codecs.forward).name!r} is not summable")
+        problems.append(f"forward codec {codec_info(pair.forward).name!r} is not summable")
     if not backward_ok:
-        problems.append(f"backward codec {codec_info(codecs.backward).name!r} changes the size")
+        problems.append(f"backward codec {codec_info(pair.backward).name!r} changes the size")
+    return problems
+
+
+def _refuse_summed_wires(name: str, codecs: Any, group: Any, custom: bool) -> None:
+    # A qcomm pair that build_registry let through for qcomm's exchange but
+    # whose call goes to TorchRec's transport after all: its result would be
+    # silently wrong, so every rank (all take the same route) raises instead.
+    if not isinstance(codecs, QuantizedCommCodecs) or dist.get_world_size(group) <= 1:
+        return
+    problems = _uncarried(codecs)
     if not problems:
         return
-    comm_ops = sys.modules[_COMM_OPS]
     why = (
-        f"{ENV}=torchrec"
-        if _door is False
-        else "TorchRec's synchronous collectives"
-        if comm_ops.get_use_sync_collectives()
-        else "torch.compile"
-        if torch.compiler.is_compiling()
-        else "TorchRec's own transport"
+        "the call's own all_to_all_single_comm"
+        if custom
+        else _route(compiled=torch.compiler.is_compiling(), due=False).reason
     )
     raise CodecError(
         f"comm_ops.{name}: this call runs on TorchRec's own transport ({why}), which sums "

@@ -21,14 +21,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from qcomm.benchmark.metrics import predicted_time, relative_spread
-from qcomm.benchmark.options import host_parts
-from qcomm.benchmark.rows import CodecRow, Point, codec_rows, points
+from qcomm.benchmark.options import LossGap
+from qcomm.benchmark.results import (
+    Advice,
+    AdviceRate,
+    Results,
+    RunAdvice,
+    codec_rows,
+    pair_spec,
+    points,
+    record_json,
+)
+from qcomm.benchmark.rows import CodecRow, Point
 from qcomm.errors import CodecError
 from qcomm.ops import CommOp
-from qcomm.specs import parse_registry_string
+from qcomm.specs import parse_pair_spec, parse_registry_string
 
 __all__ = [
     "ADVICE_RATES",
@@ -36,6 +47,7 @@ __all__ = [
     "NOISE_MARGIN",
     "Advice",
     "Speedup",
+    "SpeedupTable",
     "advice_json",
     "advice_rates",
     "advise",
@@ -47,8 +59,10 @@ __all__ = [
     "parse_max_error",
     "read_loss_gaps",
     "registry_string",
+    "run_advice",
     "run_spread",
     "speedup_at",
+    "speedup_table",
     "speedups",
 ]
 
@@ -113,88 +127,7 @@ def is_noise(speedup: float, ratio: float | None) -> bool:
     return ratio is not None and speedup > ratio * NOISE_MARGIN
 
 
-@dataclasses.dataclass
-class Advice:
-    r"""
-    The recommended codec pair of one collective on a link.
-
-    Args:
-        op (str): the collective, a :class:`~qcomm.CommOp` value.
-        forward (str): the forward codec's spec.
-        backward (str): the backward codec's spec.
-        speedup (float): expected speed-up of forward and backward together
-            over the no-op codec.
-        forward_speedup (float): expected speed-up of the forward pass.
-        max_rel_error (float): the forward codec's ``max_rel_error``.
-        rms_rel_error (float): the forward codec's ``rms_rel_error``.
-        gbit_per_s (float): the link's rate. Default: ``0.0``.
-        measured (bool): the speed-ups were measured on this link in this run
-            (else the model predicted them). Default: ``False``.
-        left_out (list[str]): codecs at least 5% faster than the pick that
-            the error budget left out, each with its speed-up and why.
-            Default: none.
-        noise (list[str]): codecs whose figure was noise (:func:`is_noise`),
-            not used. Default: none.
-        close (list[str]): codecs faster than the pick, left to it by the
-            run's spread (too close to the pick, or to no codec, to tell
-            apart). Default: none.
-        spread (float): the run's spread at this rate (:func:`run_spread`):
-            speed-ups closer than this factor are not told apart. Default: ``1.0``.
-        loss_gap (dict, optional): the training example's held-out loss gap
-            of the forward codec (:func:`read_loss_gaps`). Default: ``None``.
-    """
-
-    op: str
-    forward: str
-    backward: str
-    speedup: float
-    forward_speedup: float
-    max_rel_error: float
-    rms_rel_error: float
-    gbit_per_s: float = 0.0
-    measured: bool = False
-    left_out: list[str] = dataclasses.field(default_factory=list)
-    noise: list[str] = dataclasses.field(default_factory=list)
-    close: list[str] = dataclasses.field(default_factory=list)
-    spread: float = 1.0
-    loss_gap: dict[str, Any] | None = None
-    #: ``forward/backward``, as a registry string writes it
-    pair: str = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self.pair = pair_spec(self.forward, self.backward)
-
-
-def pair_spec(forward: str, backward: str) -> str:
-    r"""
-    pair_spec(forward: str, backward: str) -> str
-
-    The registry entry of a forward and a backward pick: ``forward/backward``,
-    or, where either is codecs by host, codecs by host whose every pair takes
-    the forward pick's forward codec for that class of peer and the backward
-    pick's (a pick's forward codecs are what the bench measured it by).
-
-    Args:
-        forward (str): the forward pick, a spec or codecs by host.
-        backward (str): the backward pick.
-
-    Examples::
-
-        >>> pair_spec("int8", "bf16")
-        'int8/bf16'
-        >>> pair_spec("same_host=noop+other_host=int8", "bf16")
-        'same_host=noop/bf16+other_host=int8/bf16'
-    """
-    picks = [(spec, host_parts(spec)) for spec in (forward, backward)]
-    if all(parts is None for _, parts in picks):
-        return f"{forward}/{backward}"
-    sides = [parts or {"same_host": spec, "other_host": spec} for spec, parts in picks]
-    out = [f"{key}={sides[0][key]}/{sides[1][key]}" for key in ("same_host", "other_host")]
-    given = [side["ranks_per_host"] for side in sides if "ranks_per_host" in side]
-    return "+".join(out + [f"ranks_per_host={n}" for n in given[:1]])
-
-
-def _largest_forward(results: dict[str, Any]) -> dict[str, dict[str, Point]]:
+def _largest_forward(results: Results | Mapping[str, Any]) -> dict[str, dict[str, Point]]:
     # op -> label -> qcomm's forward point at the run's largest size. The
     # registry's collectives only: the all-reduce's codec is the DDP hook's.
     ops = {op.value for op in CommOp}
@@ -213,11 +146,12 @@ def _largest_forward(results: dict[str, Any]) -> dict[str, dict[str, Point]]:
     return out
 
 
-def _measured_at(results: dict[str, Any], gbit_per_s: float) -> bool:
+def _measured_at(results: Results | Mapping[str, Any], gbit_per_s: float) -> bool:
     # A launcher's ranks ran on the cluster's link; --link emulated one rate.
-    if results["meta"].get("local") is False:
+    results = Results.of(results)
+    if results.meta.local is False:
         return True
-    rate = (results.get("link") or {}).get("rate_bps")
+    rate = results.link.rate_bps if results.link else None
     return rate is not None and math.isclose(rate / 1e9, gbit_per_s, rel_tol=1e-6)
 
 
@@ -244,10 +178,10 @@ def _floor(points: dict[str, Point]) -> float:
 
 
 def speedups(
-    results: dict[str, Any], gbit_per_s: float, *, predicted: bool = False
+    results: Results | Mapping[str, Any], gbit_per_s: float, *, predicted: bool = False
 ) -> dict[str, dict[str, Speedup]]:
     r"""
-    speedups(results: dict[str, Any], gbit_per_s: float, *, predicted: bool = False) -> dict[str, dict[str, Speedup]]
+    speedups(results: Results | Mapping[str, Any], gbit_per_s: float, *, predicted: bool = False) -> dict[str, dict[str, Speedup]]
 
     Every qcomm codec's speed-up over the no-op codec, ``op -> codec ->
     figure``, forward pass at the run's largest size: measured where the run
@@ -260,11 +194,13 @@ def speedups(
             was emulated and measured (a launcher's run has only measured
             ones). Default: ``False``.
     """
-    real = results["meta"].get("local") is False
+    results = Results.of(results)
+    real = results.meta.local is False
     measured = real or (not predicted and _measured_at(results, gbit_per_s))
     out: dict[str, dict[str, Speedup]] = {}
     for op, by_label in _largest_forward(results).items():
-        base = _times(by_label["noop"], gbit_per_s, measured) if "noop" in by_label else None
+        noop = by_label.get("noop")
+        base = _times(noop, gbit_per_s, measured) if noop is not None else None
         if base is None:
             continue
         figures = {}
@@ -279,9 +215,53 @@ def speedups(
     return out
 
 
-def run_spread(results: dict[str, Any], gbit_per_s: float) -> float:
+@dataclasses.dataclass(frozen=True)
+class SpeedupTable:
     r"""
-    run_spread(results: dict[str, Any], gbit_per_s: float) -> float
+    The speed-ups the advice chose from, of one collective at every rate
+    advised for (:func:`speedup_table`).
+
+    Args:
+        op (str): the collective, a :class:`~qcomm.CommOp` value.
+        rates (list[float]): the link rates, Gbit/s each way.
+        rows (dict[str, list[Speedup]]): per codec, its speed-up at each rate.
+        measured (bool): measured on the link in this run, not predicted.
+    """
+
+    op: str
+    rates: list[float]
+    rows: dict[str, list[Speedup]]
+    measured: bool
+
+
+def speedup_table(results: Results | Mapping[str, Any], rates: list[float]) -> SpeedupTable | None:
+    r"""
+    speedup_table(results: Results | Mapping[str, Any], rates: list[float]) -> SpeedupTable | None
+
+    Every qcomm codec's speed-up over the no-op codec (:func:`speedups`) at
+    each of ``rates``, for the first collective measured at all of them;
+    ``None`` under a launcher (one link, the advice has it) or where there
+    is none.
+
+    Args:
+        results (Results | Mapping[str, Any]): the run's results, or its JSON content.
+        rates (list[float]): the link rates, Gbit/s each way.
+    """
+    results = Results.of(results)
+    if results.meta.local is False or not rates:
+        return None
+    figures = [speedups(results, gbit) for gbit in rates]
+    op = next((op for op in figures[0] if all(op in f for f in figures)), None)
+    if op is None:
+        return None
+    rows = {label: [f[op][label] for f in figures] for label in figures[0][op]}
+    measured = any(figure.measured for figure in rows.get("noop", [])[:1])
+    return SpeedupTable(op=op, rates=list(rates), rows=rows, measured=measured)
+
+
+def run_spread(results: Results | Mapping[str, Any], gbit_per_s: float) -> float:
+    r"""
+    run_spread(results: Results | Mapping[str, Any], gbit_per_s: float) -> float
 
     How far this run's rounds disagree at a link rate, as a factor: one plus
     the spread (interquartile range over median of the rounds, measured or
@@ -307,9 +287,9 @@ def run_spread(results: dict[str, Any], gbit_per_s: float) -> float:
     return 1.0 + spreads[math.ceil(0.9 * len(spreads)) - 1]
 
 
-def cpu_limits(results: dict[str, Any]) -> dict[str, float]:
+def cpu_limits(results: Results | Mapping[str, Any]) -> dict[str, float]:
     r"""
-    cpu_limits(results: dict[str, Any]) -> dict[str, float]
+    cpu_limits(results: Results | Mapping[str, Any]) -> dict[str, float]
 
     Per collective, the link rate in Gbit/s at which the no-op codec's bytes
     take as long on the link as its call takes without a link limit: above
@@ -319,7 +299,7 @@ def cpu_limits(results: dict[str, Any]) -> dict[str, float]:
     Args:
         results (dict[str, Any]): the run's JSON content.
     """
-    if results["meta"].get("local") is False:
+    if Results.of(results).meta.local is False:
         return {}
     out = {}
     for op, by_label in _largest_forward(results).items():
@@ -352,10 +332,10 @@ def speedup_at(model: dict[str, tuple[float, float]], label: str, gbit_per_s: fl
 
 
 def expected_speedups(
-    results: dict[str, Any], rates_gbit: list[float]
+    results: Results | Mapping[str, Any], rates_gbit: list[float]
 ) -> dict[str, dict[str, list[float | None]]]:
     r"""
-    expected_speedups(results: dict[str, Any], rates_gbit: list[float]) -> dict[str, dict[str, list[Optional[float]]]]
+    expected_speedups(results: Results | Mapping[str, Any], rates_gbit: list[float]) -> dict[str, dict[str, list[Optional[float]]]]
 
     Every qcomm codec's speed-ups predicted by the model, ``op -> codec ->
     speed-ups``, at the run's largest size (forward pass); ``None`` where the
@@ -374,10 +354,10 @@ def expected_speedups(
 
 
 def error_budget(
-    results: dict[str, Any], max_error: str | float | None = None
+    results: Results | Mapping[str, Any], max_error: str | float | None = None
 ) -> tuple[float, str]:
     r"""
-    error_budget(results: dict[str, Any], max_error: str | float | None = None) -> tuple[float, str]
+    error_budget(results: Results | Mapping[str, Any], max_error: str | float | None = None) -> tuple[float, str]
 
     The largest RMS error, relative to the data's, a recommended codec may
     have, and how the report names it.
@@ -440,7 +420,7 @@ def parse_max_error(text: str | float) -> float | str:
     return limit
 
 
-def _measured(results: dict[str, Any]) -> dict[str, tuple[CodecRow, float]]:
+def _measured(results: Results | Mapping[str, Any]) -> dict[str, tuple[CodecRow, float]]:
     # The codecs measured, each with its RMS error.
     return {
         r.codec: (r, r.rms_rel_error)
@@ -483,14 +463,14 @@ def _left_out_text(label: str, figure: Speedup, why: str) -> str:
 
 
 def advise(
-    results: dict[str, Any],
+    results: Results | Mapping[str, Any],
     gbit_per_s: float,
     *,
     max_error: str | float | None = None,
-    loss_gaps: dict[str, dict[str, dict[str, Any]]] | None = None,
+    loss_gaps: dict[str, dict[str, LossGap]] | None = None,
 ) -> list[Advice]:
     r"""
-    advise(results: dict[str, Any], gbit_per_s: float, *, max_error: str | float | None = None, loss_gaps: dict | None = None) -> list[Advice]
+    advise(results: Results | Mapping[str, Any], gbit_per_s: float, *, max_error: str | float | None = None, loss_gaps: dict | None = None) -> list[Advice]
 
     The recommended codec pair of every measured collective, in
     :class:`~qcomm.CommOp` order.
@@ -523,8 +503,8 @@ def advise(
             if rms > limit:
                 why = f"RMS error {rms:.2g} over {limit:.2g}"
                 left_out.append((label, _left_out_text(label, figure, why)))
-            elif max_error is None and gap and gap["significant"] and gap["held_out_gap"] > 0:
-                why = f"training loss gap +{gap['held_out_gap']:.4f}, significant"
+            elif max_error is None and gap and gap.significant and gap.held_out_gap > 0:
+                why = f"training loss gap +{gap.held_out_gap:.4f}, significant"
                 left_out.append((label, _left_out_text(label, figure, why)))
             else:
                 allowed.append(label)
@@ -559,9 +539,9 @@ def advise(
     return sorted(out, key=lambda a: order.index(a.op))
 
 
-def advice_rates(results: dict[str, Any]) -> list[float]:
+def advice_rates(results: Results | Mapping[str, Any]) -> list[float]:
     r"""
-    advice_rates(results: dict[str, Any]) -> list[float]
+    advice_rates(results: Results | Mapping[str, Any]) -> list[float]
 
     The link rates, in Gbit/s each way, the advice is for: the user's link
     (``--link-gbps``), else the emulated one (``--link``), else
@@ -570,70 +550,87 @@ def advice_rates(results: dict[str, Any]) -> list[float]:
     Args:
         results (dict[str, Any]): the run's JSON content.
     """
-    meta = results["meta"]
-    if meta.get("link_gbps"):
-        return [float(meta["link_gbps"])]
-    link = results.get("link")
-    if link and link.get("rate_bps"):
-        return [link["rate_bps"] / 1e9]
+    results = Results.of(results)
+    meta, link = results.bench_meta, results.link
+    if meta.link_gbps:
+        return [float(meta.link_gbps)]
+    if link and link.rate_bps:
+        return [link.rate_bps / 1e9]
     return list(ADVICE_RATES)
 
 
-def advice_json(
-    results: dict[str, Any],
+def run_advice(
+    results: Results | Mapping[str, Any],
     *,
     max_error: str | float | None = None,
-    loss_gaps: dict[str, dict[str, dict[str, Any]]] | None = None,
+    loss_gaps: dict[str, dict[str, LossGap]] | None = None,
     training_results: str | None = None,
-) -> dict[str, Any]:
+) -> RunAdvice:
     r"""
-    advice_json(results: dict[str, Any], *, max_error: str | float | None = None, loss_gaps: dict | None = None, training_results: str | None = None) -> dict[str, Any]
+    run_advice(results: Results | Mapping[str, Any], *, max_error: str | float | None = None, loss_gaps: dict | None = None, training_results: str | None = None) -> RunAdvice
 
-    The advice as the JSON's ``advice`` key: the error budget, and per link
-    rate the registry string, the run's spread (:func:`run_spread`), whether
-    the advice is ``provisional`` (a candidate faster than a pick is within
-    that spread of it, or of no codec, so the figures cannot separate them)
-    and per collective
-    the pair, its spec, its expected speed-up and error, and whether it was
-    measured or predicted.
+    The advice of a run, as its results hold it: the error budget, and per
+    link rate the registry string, the run's spread (:func:`run_spread`),
+    whether the advice is ``provisional`` (a candidate faster than a pick is
+    within that spread of it, or of no codec, so the figures cannot separate
+    them) and per collective the pair, its spec, its expected speed-up and
+    error, and whether it was measured or predicted.
 
     Args:
-        results (dict[str, Any]): the run's JSON content.
+        results (Results | Mapping[str, Any]): the run's results, or its JSON content.
         max_error (str | float, optional): the error budget. Default: the default.
         loss_gaps (dict, optional): the training example's gaps. Default: ``None``.
         training_results (str, optional): the file they came from. Default: ``None``.
     """
+    results = Results.of(results)
     limit, budget = error_budget(results, max_error)
     rates = []
     for rate in advice_rates(results):
         advice = advise(results, rate, max_error=max_error, loss_gaps=loss_gaps)
-        collectives = [
-            {**dataclasses.asdict(a), "pair": a.pair, "spec": registry_string([a])} for a in advice
-        ]
-        spread = run_spread(results, rate)
         rates.append(
-            {
-                "gbit_per_s": rate,
-                "registry": registry_string(advice),
-                "collectives": collectives,
-                "spread": spread,
+            AdviceRate(
+                gbit_per_s=rate,
+                registry=registry_string(advice),
+                collectives=advice,
+                spread=run_spread(results, rate),
                 # A faster candidate within the run's spread of a pick: the
                 # figures cannot separate them, and more rounds (or a run
                 # without --quick) may pick otherwise.
-                "provisional": any(a.close for a in advice),
-            }
+                provisional=any(a.close for a in advice),
+            )
         )
-    return {
-        "max_rms_error": limit,
-        "budget": budget,
-        "training_results": training_results,
-        "rates": rates,
-    }
+    return RunAdvice(
+        max_rms_error=limit, budget=budget, training_results=training_results, rates=rates
+    )
 
 
-def read_loss_gaps(path: str) -> dict[str, dict[str, dict[str, Any]]]:
+def advice_json(
+    results: Results | Mapping[str, Any],
+    *,
+    max_error: str | float | None = None,
+    loss_gaps: dict[str, dict[str, LossGap]] | None = None,
+    training_results: str | None = None,
+) -> dict[str, Any]:
     r"""
-    read_loss_gaps(path: str) -> dict[str, dict[str, dict[str, Any]]]
+    advice_json(results: Results | Mapping[str, Any], *, max_error: str | float | None = None, loss_gaps: dict | None = None, training_results: str | None = None) -> dict[str, Any]
+
+    The advice as the JSON's ``advice`` key: :func:`run_advice` as dicts.
+
+    Args:
+        results (Results | Mapping[str, Any]): the run's results, or its JSON content.
+        max_error (str | float, optional): the error budget. Default: the default.
+        loss_gaps (dict, optional): the training example's gaps. Default: ``None``.
+        training_results (str, optional): the file they came from. Default: ``None``.
+    """
+    advice = run_advice(
+        results, max_error=max_error, loss_gaps=loss_gaps, training_results=training_results
+    )
+    return record_json(advice)  # type: ignore[no-any-return]
+
+
+def read_loss_gaps(path: str) -> dict[str, dict[str, LossGap]]:
+    r"""
+    read_loss_gaps(path: str) -> dict[str, dict[str, LossGap]]
 
     The held-out loss gaps to float32 the training example
     (``examples/train_dlrm.py``) wrote in its ``results.json``, ``op ->
@@ -650,20 +647,20 @@ def read_loss_gaps(path: str) -> dict[str, dict[str, dict[str, Any]]]:
         with open(path) as f:
             data = json.load(f)
         runs, summary = data["runs"], data["summary"]
-        out: dict[str, dict[str, dict[str, Any]]] = {}
+        out: dict[str, dict[str, LossGap]] = {}
         for name, seeds in runs.items():
             config = seeds[0]
             if config.get("dense") or not config.get("registry") or name not in summary:
                 continue
             row = summary[name]
             for op, pair in parse_registry_string(config["registry"]).items():
-                forward = pair.partition("/")[0].strip()
-                gap = {
-                    "config": name,
-                    "held_out_gap": row["held_out_gap"],
-                    "ci95": row["held_out_gap_ci95"],
-                    "significant": bool(row["significant"]),
-                }
+                forward = parse_pair_spec(pair, f"{op.value} of {name}")[0]
+                gap = LossGap(
+                    config=name,
+                    held_out_gap=row["held_out_gap"],
+                    ci95=row["held_out_gap_ci95"],
+                    significant=bool(row["significant"]),
+                )
                 out.setdefault(op.value, {}).setdefault(forward, gap)
         return out
     except (

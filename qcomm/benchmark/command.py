@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from qcomm import config as qcomm_config
 from qcomm.benchmark.advice import DEFAULT_MAX_ERROR, parse_max_error, read_loss_gaps
 from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.options import (
@@ -22,7 +23,6 @@ from qcomm.benchmark.options import (
     TRAIN_MLP_QUICK,
     TRAIN_MODELS,
     TRAIN_QUICK,
-    TRAIN_ROWS,
     TRAIN_SHARDINGS,
     TRAIN_WARM_UP_STEPS,
     BenchConfig,
@@ -34,6 +34,7 @@ from qcomm.benchmark.options import (
     parse_sizes,
     split_codec_list,
 )
+from qcomm.config import launch_env
 from qcomm.discovery import available_codecs, load_codec
 from qcomm.errors import CodecError
 from qcomm.specs import parse_host_spec
@@ -113,6 +114,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "it spawns --world-size local gloo ranks; under torchrun it uses the "
         "launcher's ranks (NCCL on CUDA)."
     )
+    _add_measure_arguments(parser)
+    _add_run_arguments(parser)
+    _add_advice_arguments(parser)
+    _add_timing_arguments(parser)
+    _add_train_arguments(parser)
+
+
+def _add_measure_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to measure, and on how many ranks."""
     parser.add_argument(
         "--codecs",
         action="append",
@@ -166,6 +176,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="smoke test: sizes 64K,1M, a 1 MiB codec tensor, short timing budgets",
     )
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the figures go, what is left out, how long and on what the run measures."""
     parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     parser.add_argument(
         "--plot", metavar="PATH", help="draw bandwidth and error plots to this PNG (matplotlib)"
@@ -213,6 +227,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "shaped with tc; needs root or CAP_NET_ADMIN and CAP_SYS_ADMIN. The report gives the link's measured throughput and "
         "each collective's time against the link's bound",
     )
+
+
+def _add_advice_arguments(parser: argparse.ArgumentParser) -> None:
+    """The advice's link rate, error budget, data scale and training results."""
     parser.add_argument(
         "--link-gbps",
         type=_number("--link-gbps", float, 1e-3, 1e6),
@@ -243,6 +261,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="the results.json of examples/train_dlrm.py: the advice shows each codec's "
         f"held-out loss gap from it. Default: {DEFAULT_TRAINING_RESULTS} if it exists",
     )
+
+
+def _add_timing_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the collectives are timed: passes, rounds, chunks."""
     parser.add_argument(
         "--backward",
         action="store_true",
@@ -261,6 +283,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="qcomm's pipeline chunk (float32 bytes per message), e.g. 1M. Default: automatic",
     )
+
+
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of --train and its models."""
     parser.add_argument(
         "--train",
         action="store_true",
@@ -374,7 +400,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                 "--link: emulates a link between local ranks; under a launcher the ranks "
                 "already run on the real network, leave --link out"
             )
-        launched = int(os.environ["WORLD_SIZE"])
+        launched = int(launch_env("WORLD_SIZE") or 0)
         if args.world_size is not None and args.world_size != launched:
             raise ValueError(
                 f"--world-size: the launcher started {launched} ranks, got {args.world_size}; "
@@ -389,7 +415,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             )
         config.world_size = args.world_size
     config.ranks_per_host = _ranks_per_host(args.ranks_per_host, config.world_size)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
+    local_ranks = int(launch_env("LOCAL_WORLD_SIZE") or config.world_size)
     if config.train:
         _check_train_memory(config, local_ranks)
     else:
@@ -409,20 +435,19 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def _ranks_per_host(given: int | None, world_size: int) -> int | None:
     """--ranks-per-host checked against the world size; not given, a launcher's layout, if any."""
-    from qcomm.benchmark.session import RANKS_PER_HOST_ENV, launcher_env
+    from qcomm.benchmark.session import launcher_env
 
     if given is None:
         if not launcher_env():
             return None
-        # The launcher's layout, as qcomm's collectives read it, if it makes
-        # hosts of equal size; else the figures count every rank as a host.
-        for name in (RANKS_PER_HOST_ENV, "LOCAL_WORLD_SIZE"):
-            raw = os.environ.get(name, "").strip()
-            if raw:
-                value = int(raw) if raw.isdigit() else 0
-                equal = value >= 1 and world_size % value == 0 and world_size // value >= 2
-                return value if equal else None
-        return None
+        # The launcher's layout, as qcomm's collectives read it
+        # (QCOMM_RANKS_PER_HOST, else torchrun's LOCAL_WORLD_SIZE), if it
+        # makes hosts of equal size; else the figures count every rank as a host.
+        value = qcomm_config.get().ranks_per_host
+        if value is None:
+            return None
+        equal = value >= 1 and world_size % value == 0 and world_size // value >= 2
+        return value if equal else None
     fits = [k for k in range(1, world_size // 2 + 1) if world_size % k == 0]
     if given not in fits:
         raise ValueError(
@@ -510,20 +535,18 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
                 )
     config.train = True
     config.train_model = model
-    config.train_batch = given["batch"] or defaults["batch"]
-    config.train_steps = given["steps"] or defaults["steps"]
-    if model == "mlp":
-        config.train_layers = given["layers"] or defaults["layers"]
-        config.train_width = given["width"] or defaults["width"]
-    else:
+    # The model's sizes: given, else its defaults (the DLRM's after the check below).
+    for key in ("batch", "steps", *(("layers", "width") if model == "mlp" else ())):
+        setattr(config, f"train_{key}", given[key] or defaults[key])
+    if model != "mlp":
         missing = [m for m in ("torchrec", "fbgemm_gpu") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(
                 f"--train: needs {' and '.join(missing)}, not installed here "
                 f"(see CONTRIBUTING.md, 'Versions'); --train-model mlp does not"
             )
-        config.train_tables = given["tables"] or defaults["tables"]
-        config.train_dim = given["dim"] or defaults["dim"]
+        for key in ("tables", "dim"):
+            setattr(config, f"train_{key}", given[key] or defaults[key])
         config.train_sharding = args.train_sharding or "mixed"
         if config.train_dim % 4:
             # fbgemm's embedding kernels take rows of whole 4-element groups.
@@ -536,60 +559,26 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
         )
 
 
-# Models a rank of --train holds: a shard of each sharded series' model (8),
-# and the whole model of the reference series; the batches' activations and
-# gradients take a few dozen floats per sample and embedding column.
-_TRAIN_MODELS = 8
-_TRAIN_FLOATS_PER_ACTIVATION = 32
-
-
-# Copies of the MLP's parameters a rank of --train-model mlp holds: weights,
-# gradients and DDP's buckets of its 4 DDP series, the qcomm series' residuals
-# and codec buffers, the reference's weights and gradients, and what the
-# allocator keeps (up to 3.7 GB a rank measured at 8 layers of 2048: 27 copies).
-_MLP_COPIES = 28
-# Floats per sample and layer width of a step: what the forward keeps for the
-# backward, their gradients, and the allocator's cache (2.2 GB a rank measured
-# at 8 layers of 512 and a batch of 8192).
-_MLP_FLOATS_PER_ACTIVATION = 12
-
-
 def _check_train_memory(config: BenchConfig, local_ranks: int) -> None:
     """Refuses a --train model that this machine cannot hold on its local ranks."""
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return
+    # The model says what it needs (it imports torch: only --train asks).
     if config.train_model == "mlp":
-        from qcomm.benchmark.train_mlp import OUTPUTS, mlp_parameters
+        from qcomm.benchmark.train_mlp import Mlp
 
-        layers, width, batch = config.train_layers, config.train_width, config.train_batch
-        floats = (
-            _MLP_COPIES * mlp_parameters(layers, width)
-            + config.train_steps * batch * (width + OUTPUTS)
-            + _MLP_FLOATS_PER_ACTIVATION * batch * width * (layers + 1)
-        )
-        need = 4.0 * floats * local_ranks
-        if need > memory:
-            raise ValueError(
-                f"--train-layers, --train-width, --train-batch, --train-steps: {layers} layers "
-                f"of {width} and {config.train_steps} batches of {batch} need about "
-                f"{need / 2**30:.1f} GiB on {local_ranks} local ranks, and this machine has "
-                f"{memory / 2**30:.1f} GiB"
-            )
-        return
-    columns = config.train_tables * config.train_dim
-    tables = 4 * TRAIN_ROWS * columns * (_TRAIN_MODELS / config.world_size + 1)
-    activations = (
-        4 * _TRAIN_FLOATS_PER_ACTIVATION * config.world_size * config.train_batch * columns
-    )
-    need = (tables + activations) * local_ranks
+        estimate = Mlp().memory(config)
+    else:
+        from qcomm.benchmark.train import Dlrm
+
+        estimate = Dlrm().memory(config)
+    need = estimate.bytes_per_rank * local_ranks
     if need > memory:
         raise ValueError(
-            f"--train-tables, --train-dim, --train-batch: {config.train_tables} tables of "
-            f"dimension {config.train_dim} and a batch of {config.train_batch} need about "
-            f"{need / 2**30:.1f} GiB on {local_ranks} local ranks, and this machine has "
-            f"{memory / 2**30:.1f} GiB"
+            f"{estimate.options}: {estimate.what} need about {need / 2**30:.1f} GiB on "
+            f"{local_ranks} local ranks, and this machine has {memory / 2**30:.1f} GiB"
         )
 
 

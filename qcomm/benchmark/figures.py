@@ -8,12 +8,12 @@ model's predictions, and the link rates below which a codec pays.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from qcomm.benchmark.candidates import FBGEMM_FORMATS
 from qcomm.benchmark.metrics import TCP_EFFICIENCY, collective_break_even, predicted_time
+from qcomm.benchmark.options import DenseOp
+from qcomm.benchmark.results import LinkFigures
 from qcomm.benchmark.rows import CodecRow, Point
-from qcomm.ops import DenseOp
 
 __all__ = [
     "Unlimited",
@@ -143,13 +143,13 @@ def _hosts_of(row: CodecRow | None, world_size: int, ranks_per_host: int) -> int
 def add_comparisons(
     points: list[Point],
     codec_rows: list[CodecRow],
-    link: dict[str, Any] | None,
+    link: LinkFigures | None,
     world_size: int,
     unlimited: Unlimited | None,
     ranks_per_host: int = 1,
 ) -> None:
     r"""
-    add_comparisons(points: list[Point], codec_rows: list[CodecRow], link: dict[str, Any] | None, world_size: int, unlimited: Unlimited | None, ranks_per_host: int = 1) -> None
+    add_comparisons(points: list[Point], codec_rows: list[CodecRow], link: LinkFigures | None, world_size: int, unlimited: Unlimited | None, ranks_per_host: int = 1) -> None
 
     Sets what each point is worth: against the link's bound (the float32
     bytes that cross each host's port, shrunk by the series' ratio,
@@ -162,7 +162,7 @@ def add_comparisons(
     Args:
         points (list[Point]): every point of the run.
         codec_rows (list[CodecRow]): the codecs' rows, for their ratios.
-        link (dict[str, Any], optional): the emulated link's figures, ``None`` without one.
+        link (LinkFigures, optional): the emulated link's figures, ``None`` without one.
         world_size (int): ranks.
         unlimited (Unlimited, optional): qcomm's times with the link's limit
             lifted; ``None``: the points' own times have no link limit
@@ -171,8 +171,8 @@ def add_comparisons(
             its port; ``1``: every rank has a port of its own. Default: ``1``.
     """
     rows = {r.codec: r for r in codec_rows}
-    rate = link["rate_bps"] if link else None
-    measured = link.get("both_ways_GBps") if link else None
+    rate = link.rate_bps if link else None
+    measured = link.both_ways_GBps if link else None
     efficiency = measured * 1e9 * 8 / rate if rate and measured else TCP_EFFICIENCY
     latency = {p.key: p.latency_s for p in points if p.status == "ok"}
     # What a host's port carries of a call: its ranks' blocks for the ranks

@@ -22,7 +22,8 @@ import time
 import traceback
 from collections.abc import Callable
 
-from qcomm.benchmark._children import PARENT_ENV, describe, end_with_parent, exit_status
+from qcomm import config as qcomm_config
+from qcomm.benchmark.children import PARENT_ENV, describe, end_with_parent, exit_status
 from qcomm.benchmark.link import Link, LinkError, parse_rate
 from qcomm.benchmark.measure import run_rank
 from qcomm.benchmark.options import BenchConfig
@@ -37,6 +38,7 @@ from qcomm.benchmark.session import (
 )
 from qcomm.benchmark.train import run_train
 from qcomm.benchmark.train_mlp import run_train_mlp
+from qcomm.config import child_env, launch_env
 
 __all__ = ["run_distributed", "spawn_local"]
 
@@ -56,10 +58,14 @@ def run_distributed(config: BenchConfig, local: bool = False) -> int:
         only) or :data:`~qcomm.benchmark.session.EXIT_ERROR` (the error is on
         this rank's stderr).
     """
-    rank = os.environ.get("RANK", "?")
-    if config.ranks_per_host is not None:
-        # Before any collective: qcomm's codecs by host read it on every call.
-        os.environ[RANKS_PER_HOST_ENV] = str(config.ranks_per_host)
+    rank = launch_env("RANK") or "?"
+    # Before any collective: qcomm's codecs by host follow the setting.
+    per_host = {} if config.ranks_per_host is None else {"ranks_per_host": config.ranks_per_host}
+    with qcomm_config.configured(**per_host):
+        return _run_rank(config, local, rank)
+
+
+def _run_rank(config: BenchConfig, local: bool, rank: str) -> int:
     try:
         session = Session(config, local)
     except Exception:
@@ -151,11 +157,10 @@ def spawn_local(config: BenchConfig, poll_s: float = 0.2) -> int:
 def _spawn(config: BenchConfig, poll_s: float, link: Link | None) -> int:
     world_size = config.world_size
     stuck_after = 2 * config.timeout + 60
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world_size))
+    threads = launch_env("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world_size))
     with tempfile.TemporaryDirectory(prefix="qcomm-bench-") as tmp:
         workdir = pathlib.Path(tmp)
         base_env = {
-            **os.environ,
             CONFIG_ENV: config.to_json(),
             "MASTER_ADDR": "127.0.0.1" if link is None else link.address(0),
             # A fresh namespace has every port free.
@@ -177,7 +182,7 @@ def _spawn(config: BenchConfig, poll_s: float, link: Link | None) -> int:
         try:
             for rank in range(world_size):
                 env = {
-                    **base_env,
+                    **child_env(base_env),
                     "RANK": str(rank),
                     "LOCAL_RANK": str(rank),
                     HEARTBEAT_ENV: str(beats[rank]),
@@ -254,9 +259,10 @@ def _watch(
 
 
 def _child_main() -> int:
-    if os.environ.get(PARENT_ENV):
-        end_with_parent(int(os.environ[PARENT_ENV]))
-    config = BenchConfig.from_json(os.environ[CONFIG_ENV])
+    parent = launch_env(PARENT_ENV)
+    if parent:
+        end_with_parent(int(parent))
+    config = BenchConfig.from_json(launch_env(CONFIG_ENV) or "")
     return run_distributed(config, local=True)
 
 

@@ -21,7 +21,7 @@ import subprocess
 from types import FrameType, TracebackType
 from typing import Any
 
-from qcomm.benchmark._children import Stopped
+from qcomm.benchmark.children import Stopped
 
 __all__ = ["Link", "LinkError", "parse_rate", "tc_rate"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from qcomm.benchmark.advice import advice_json
+from qcomm.benchmark.advice import run_advice
 from qcomm.benchmark.agreement import Outcome, agree_on_loads, agreed, agreed_here
 from qcomm.benchmark.candidates import (
     Candidate,
@@ -42,9 +42,10 @@ from qcomm.benchmark.metrics import (
     error_stats,
     relative_spread,
 )
-from qcomm.benchmark.options import OP_TITLES, BenchConfig, format_size
+from qcomm.benchmark.options import OP_TITLES, BenchConfig, BenchOp, DenseOp, format_size
 from qcomm.benchmark.progress import Progress, begin
 from qcomm.benchmark.report import write_report
+from qcomm.benchmark.results import LinkFigures, Results, Roofline, Unavailable
 from qcomm.benchmark.rows import CodecRow, Point
 from qcomm.benchmark.series import (
     BARE,
@@ -61,7 +62,7 @@ from qcomm.benchmark.series import (
 )
 from qcomm.benchmark.session import EXIT_CODEC_FAILED, Session
 from qcomm.benchmark.timing import calls_for_budget, synchronize, time_calls
-from qcomm.ops import BenchOp, CommOp, DenseOp
+from qcomm.ops import CommOp
 from qcomm.types import HostCodecs, codec_info
 
 __all__ = ["run_rank"]
@@ -254,7 +255,7 @@ def _finish_row(entry: _Entry, world_size: int) -> Point:
 
 def _measure_codecs(
     config: BenchConfig, session: Session, candidates: list[Candidate], progress: Progress
-) -> tuple[dict[str, Any], list[CodecRow]]:
+) -> tuple[Roofline, list[CodecRow]]:
     n = max(1, config.codec_bytes // 4)
     generator = torch.Generator().manual_seed(config.seed + 1 + session.rank)
     # The errors are relative, but a cast's depend on the magnitude (fp16's
@@ -269,12 +270,12 @@ def _measure_codecs(
         ),
     )
     copy_s = max(copy) if copy else None
-    roofline = {
-        "bytes": 4 * n,
-        "copy_s": copy_s,
-        "copy_GBps": 4 * n / copy_s / GB if copy_s else None,
-        "error": problem,
-    }
+    roofline = Roofline(
+        bytes=4 * n,
+        copy_s=copy_s,
+        copy_GBps=4 * n / copy_s / GB if copy_s else None,
+        error=problem,
+    )
     progress.done()
     rows = []
     for candidate in candidates:
@@ -381,7 +382,7 @@ def _unlimited(
     return out
 
 
-def _measure_link(config: BenchConfig, session: Session) -> dict[str, Any]:
+def _measure_link(config: BenchConfig, session: Session) -> LinkFigures:
     # What the link carries between rank 0 and the first rank of the next
     # host, one way and both ways at once, with the backend's plain
     # point-to-point calls on float32.
@@ -421,19 +422,20 @@ def _measure_link(config: BenchConfig, session: Session) -> dict[str, Any]:
 
     one, problem = agreed(session, lambda: measure(False))
     two, problem2 = agreed(session, lambda: measure(True))
-    result: dict[str, Any] = {
-        "spec": config.link,
-        "rate_bps": rate,
-        "bytes": size,
-        "error": problem or problem2,
-    }
+    result = LinkFigures(spec=config.link, rate_bps=rate, bytes=size, error=problem or problem2)
     for name, samples in (("one_way", one), ("both_ways", two)):
         if samples:
             worst = [max(rank_s[i] for rank_s in samples) for i in range(len(samples[0]))]
-            result[f"{name}_s"] = statistics.median(worst)
-            result[f"{name}_GBps"] = size / statistics.median(worst) / GB
-            result[f"{name}_samples_s"] = worst
-            result[f"{name}_spread"] = relative_spread(worst)
+            median = statistics.median(worst)
+            spread = relative_spread(worst)
+            figures = {
+                "s": median,
+                "GBps": size / median / GB,
+                "samples_s": worst,
+                "spread": spread,
+            }
+            for key, value in figures.items():
+                setattr(result, f"{name}_{key}", value)
     return result
 
 
@@ -490,16 +492,16 @@ def run_rank(config: BenchConfig, session: Session) -> int:
     if session.rank != 0:
         return 0
     meta = bench_meta(config, session, started, time.perf_counter() - clock)
-    meta.update(load_before=load_before, load_after=load())
-    results: dict[str, Any] = {
-        "meta": meta,
-        "link": link,
-        "roofline": roofline,
-        "codecs": codec_rows,
-        "collectives": points,
-        "unavailable": {"fbgemm": fbgemm_reason, "torchrec": torchrec_reason},
-    }
-    results["advice"] = advice_json(
+    meta.load_before, meta.load_after = load_before, load()
+    results = Results(
+        meta=meta,
+        link=link,
+        roofline=roofline,
+        codecs=codec_rows,
+        collectives=points,
+        unavailable=Unavailable(fbgemm=fbgemm_reason, torchrec=torchrec_reason),
+    )
+    results.advice = run_advice(
         results,
         max_error=config.max_error,
         loss_gaps=config.loss_gaps,

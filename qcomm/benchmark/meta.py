@@ -14,6 +14,7 @@ import torch
 
 import qcomm
 from qcomm.benchmark.options import BenchConfig
+from qcomm.benchmark.results import BenchMeta
 from qcomm.benchmark.session import Session
 
 __all__ = ["bench_meta", "cpu_model", "load", "run_meta"]
@@ -90,11 +91,9 @@ def run_meta(session: Session, started: float, duration: float) -> dict[str, Any
     }
 
 
-def bench_meta(
-    config: BenchConfig, session: Session, started: float, duration: float
-) -> dict[str, Any]:
+def bench_meta(config: BenchConfig, session: Session, started: float, duration: float) -> BenchMeta:
     r"""
-    bench_meta(config: BenchConfig, session: Session, started: float, duration: float) -> dict[str, Any]
+    bench_meta(config: BenchConfig, session: Session, started: float, duration: float) -> BenchMeta
 
     The ``meta`` of a run of the codecs and collectives: :func:`run_meta` and
     the run's settings.
@@ -105,21 +104,21 @@ def bench_meta(
         started (float): when the run started (``time.time()``).
         duration (float): how long it took, in seconds.
     """
-    return {
+    return BenchMeta(
         **run_meta(session, started, duration),
-        "quick": config.quick,
-        "sizes": config.sizes,
-        "ops": config.ops,
-        "dim": config.dim,
-        "codec_elements": max(1, config.codec_bytes // 4),
-        "budget_s": config.budget,
-        "rounds": config.rounds,
-        "timeout_s": config.timeout,
-        "link": config.link,
-        "ranks_per_host": config.ranks_per_host,
-        "backward": config.backward,
-        "chunk_bytes": config.chunk_bytes,
-        "link_gbps": config.link_gbps,
-        "data_scale": config.data_scale,
-        "command": config.command,
-    }
+        quick=config.quick,
+        sizes=config.sizes,
+        ops=config.ops,
+        dim=config.dim,
+        codec_elements=max(1, config.codec_bytes // 4),
+        budget_s=config.budget,
+        rounds=config.rounds,
+        timeout_s=config.timeout,
+        link=config.link,
+        ranks_per_host=config.ranks_per_host,
+        backward=config.backward,
+        chunk_bytes=config.chunk_bytes,
+        link_gbps=config.link_gbps,
+        data_scale=config.data_scale,
+        command=config.command,
+    )

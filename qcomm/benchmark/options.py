@@ -7,16 +7,20 @@ receives them.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import re
 from typing import Any
 
 from qcomm.errors import CodecError
-from qcomm.ops import BenchOp, CommOp, DenseOp
-from qcomm.specs import parse_codec_spec, parse_host_spec, split_codec_specs
+from qcomm.ops import CommOp
+from qcomm.specs import parse_codec_spec, parse_host_spec, parse_pair_spec, split_codec_specs
 
 __all__ = [
+    "LossGap",
+    "BenchOp",
+    "DenseOp",
     "DEFAULT_SIZES",
     "OP_TITLES",
     "QUICK_SIZES",
@@ -42,6 +46,17 @@ __all__ = [
 _KIB = 1024
 DEFAULT_SIZES = [64 * _KIB * 4**i for i in range(6)]  # 64 KiB, 256 KiB, ..., 64 MiB
 QUICK_SIZES = [64 * _KIB, 1024 * _KIB]
+
+
+class DenseOp(enum.Enum):
+    r"""The collectives of dense gradients ``qcomm bench`` measures beside :class:`~qcomm.CommOp`."""
+
+    ALL_REDUCE = "all_reduce"
+
+
+#: a collective ``qcomm bench`` measures
+BenchOp = CommOp | DenseOp
+
 #: untimed training steps each series of ``--train`` takes first
 TRAIN_WARM_UP_STEPS = 2
 #: rows of every table of ``--train`` (a step's cost depends on the ids looked
@@ -217,11 +232,11 @@ def host_parts(spec: str) -> dict[str, str] | None:
     if parts is None:
         return None
     out = {
-        key: str(parts.get(key, "noop")).partition("/")[0].strip()
+        key: parse_pair_spec(str(parts.get(key, "noop")), key)[0]
         for key in ("same_host", "other_host")
     }
     if "ranks_per_host" in parts:
-        out["ranks_per_host"] = str(parts["ranks_per_host"])
+        out.update(ranks_per_host=str(parts.get("ranks_per_host")))
     return out
 
 
@@ -248,7 +263,7 @@ def check_spec(spec: str) -> None:
         parse_codec_spec(spec)
         return
     for key in ("same_host", "other_host"):
-        for side in str(parts.get(key, "noop")).split("/"):
+        for side in parse_pair_spec(str(parts.get(key, "noop")), key):
             parse_codec_spec(side)
 
 
@@ -315,6 +330,25 @@ def parse_ops(text: str) -> list[BenchOp]:
     return [op for op in [*CommOp, *DenseOp] if op in chosen]
 
 
+@dataclasses.dataclass(kw_only=True)
+class LossGap:
+    r"""
+    The training example's held-out loss gap of a codec to float32
+    (:func:`~qcomm.benchmark.advice.read_loss_gaps`).
+
+    Args:
+        config (str): the example's configuration it comes from.
+        held_out_gap (float): the held-out loss minus float32's.
+        ci95 (float, optional): half the 95% interval of the gap.
+        significant (bool): the gap is significant.
+    """
+
+    config: str | None = None
+    held_out_gap: float = 0.0
+    ci95: float | None = None
+    significant: bool = False
+
+
 @dataclasses.dataclass
 class BenchConfig:
     r"""
@@ -350,7 +384,7 @@ class BenchConfig:
         max_error (str | None): the advice's error budget (``--max-error``):
             a number or a codec; ``None`` for the default.
         data_scale (float): the codecs' inputs are standard normal times this.
-        loss_gaps (dict | None): the training example's loss gaps
+        loss_gaps (dict[str, dict[str, LossGap]] | None): the training example's loss gaps
             (:func:`~qcomm.benchmark.advice.read_loss_gaps`).
         training_results (str | None): the file they were read from.
         train (bool): run the training-step benchmark instead (``--train``,
@@ -426,13 +460,21 @@ class BenchConfig:
             True
         """
         data: dict[str, Any] = json.loads(text)
+        gaps = data.pop("loss_gaps", None)
+        if gaps is not None:  # the training example's gaps, records again
+            data.update(
+                loss_gaps={
+                    op: {codec: LossGap(**gap) for codec, gap in by_codec.items()}
+                    for op, by_codec in gaps.items()
+                }
+            )
         return cls(**data)
 
     def comm_ops(self) -> list[BenchOp]:
         r"""
         comm_ops() -> list[CommOp | DenseOp]
 
-        The collectives of :attr:`ops` as :class:`~qcomm.CommOp` or :class:`~qcomm.ops.DenseOp` members.
+        The collectives of :attr:`ops` as :class:`~qcomm.CommOp` or :class:`DenseOp` members.
         """
         dense = {op.value: op for op in DenseOp}
         return [dense[op] if op in dense else CommOp.parse(op) for op in self.ops]

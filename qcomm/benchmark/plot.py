@@ -8,18 +8,19 @@ imported only when a plot is drawn.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from qcomm.benchmark.advice import (
-    advice_json,
     advice_rates,
     cpu_limits,
     expected_speedups,
+    run_advice,
     speedups,
 )
 from qcomm.benchmark.candidates import FBGEMM_FORMATS
 from qcomm.benchmark.options import OP_TITLES, format_size
-from qcomm.benchmark.rows import codec_rows, points
+from qcomm.benchmark.results import Results, codec_rows, points
 
 __all__ = ["draw", "write_plot"]
 
@@ -49,22 +50,22 @@ _STYLES = [("-", 2.6), ("--", 1.8), (":", 1.6), ("-.", 1.4)]
 _FADED = 0.3
 
 
-def _answer(results: dict[str, Any]) -> tuple[float | None, dict[str, dict[float, str]]]:
+def _answer(results: Results) -> tuple[float | None, dict[str, dict[float, str]]]:
     """The advice's error budget and its forward pick per collective and link rate."""
-    advice = results.get("advice")
+    advice = results.advice
     if advice is None:
         try:
-            advice = advice_json(results)
+            advice = run_advice(results)
         except (KeyError, TypeError, ValueError):  # a run without the advice's figures
             return None, {}
     picks: dict[str, dict[float, str]] = {}
-    for rate in advice.get("rates", []):
-        for a in rate.get("collectives", []):
-            picks.setdefault(a["op"], {})[rate["gbit_per_s"]] = a["forward"]
-    return advice.get("max_rms_error"), picks
+    for rate in advice.rates:
+        for a in rate.collectives:
+            picks.setdefault(a.op, {})[rate.gbit_per_s] = a.forward
+    return advice.max_rms_error, picks
 
 
-def _over_budget(results: dict[str, Any], budget: float | None) -> set[str]:
+def _over_budget(results: Results, budget: float | None) -> set[str]:
     if budget is None:
         return set()
     return {
@@ -74,7 +75,7 @@ def _over_budget(results: dict[str, Any], budget: float | None) -> set[str]:
     }
 
 
-def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> list[Any]:
+def _speedup_panel(ax: Any, results: Results, color: dict[str, Any]) -> list[Any]:
     # Expected speed-up against link rate (the model), measured points where
     # the run had an emulated link, the user's link and this CPU's limit
     # marked. Returns the curves' end labels, to spread once laid out.
@@ -139,10 +140,10 @@ def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> l
     if cpu:
         ax.axvline(cpu, color="firebrick", linestyle="-.", linewidth=1.2)
         mark(cpu, f"this CPU: {cpu:.3g} Gbit/s;\nabove it the CPU,\nnot the link, limits", True)
-    link = results.get("link")
+    link = results.link
     size = max(p.size_bytes for p in points(results))
-    if link and link.get("rate_bps"):
-        rate = link["rate_bps"] / 1e9
+    if link and link.rate_bps:
+        rate = link.rate_bps / 1e9
         # The speed-ups measured on the link, as the tables and the advice
         # give them; a figure that is noise is not drawn either.
         measured = {
@@ -153,14 +154,12 @@ def _speedup_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> l
         for label, figure in measured.items():
             ax.scatter([rate], [figure.value], color=color[_family(label)], s=40)
         if measured:  # one grey dot stands for all: a codec's colour is its curve's
-            ax.scatter([], [], color="grey", s=40, label=f"measured on the {link['spec']} link")
+            ax.scatter([], [], color="grey", s=40, label=f"measured on the {link.spec} link")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="lower left", fontsize=8)  # the CPU's mark sits at the top
     for rate in advice_rates(results):
         ax.axvline(rate, color="grey", linestyle=":", linewidth=1)
-    user = results["meta"].get("link_gbps") or (
-        link["rate_bps"] / 1e9 if link and link.get("rate_bps") else None
-    )
+    user = results.bench_meta.link_gbps or (link.rate_bps / 1e9 if link and link.rate_bps else None)
     if user:
         ax.axvline(user, color="black", linestyle="--", linewidth=1.2)
         mark(user, f"your link: {user:g} Gbit/s", False)
@@ -188,7 +187,7 @@ def _coincide(a: list[float], b: list[float]) -> bool:
 
 
 def _mark_picks(
-    ax: Any, results: dict[str, Any], op: str, picks: dict[float, str], color: dict[str, Any]
+    ax: Any, results: Results, op: str, picks: dict[float, str], color: dict[str, Any]
 ) -> None:
     # The advice's answer on its curve: a star at each rate it advises for.
     if not picks:
@@ -231,7 +230,7 @@ def _spread_ends(ax: Any, labels: list[Any], renderer: Any) -> None:
         labels[i].set_position((4, (y - ends[i]) * points_per_pixel))
 
 
-def _error_panel(ax: Any, results: dict[str, Any], color: dict[str, Any]) -> list[Any]:
+def _error_panel(ax: Any, results: Results, color: dict[str, Any]) -> list[Any]:
     # Returns the points' labels, placed by _place_labels once laid out.
     shown = [
         (r.codec, r.source == "fbgemm", r.bits_per_element, r.rms_rel_error)
@@ -319,7 +318,7 @@ def _overlap(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
 
 
 def _bandwidth_panel(
-    ax: Any, results: dict[str, Any], op: str, color: dict[str, Any], handles: dict[str, Any]
+    ax: Any, results: Results, op: str, color: dict[str, Any], handles: dict[str, Any]
 ) -> None:
     # Bus bandwidth against size: a format in one colour, TorchRec dashed,
     # bare dotted. Adds each series' line to handles, for the row's legend.
@@ -357,34 +356,36 @@ def _bandwidth_panel(
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("message size per rank (float32 bytes)")
     ax.set_ylabel("bus bandwidth, GB/s of float32")
-    meta = results["meta"]
-    where = f"{results['link']['spec']} link" if results.get("link") else meta["backend"]
-    ax.set_title(f"{OP_TITLES.get(op, op)}, {meta['world_size']} ranks, {where}", fontsize=10)
+    meta = results.meta
+    where = f"{results.link.spec} link" if results.link else meta.backend
+    ax.set_title(f"{OP_TITLES.get(op, op)}, {meta.world_size} ranks, {where}", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
 
 
-def draw(results: dict[str, Any]) -> Any:
+def draw(results: Results | Mapping[str, Any]) -> Any:
     r"""
-    draw(results: dict[str, Any]) -> matplotlib.figure.Figure
+    draw(results: Results | Mapping[str, Any]) -> matplotlib.figure.Figure
 
     The bench's figure: expected speed-up against link rate and error against
     wire bits on the first row, one bus-bandwidth panel per collective on the
     second. Needs matplotlib.
 
     Args:
-        results (dict[str, Any]): the run's JSON content.
+        results (Results | Mapping[str, Any]): the run's results, or its JSON content.
     """
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    results = Results.of(results)
     every = points(results)
     ops = list(dict.fromkeys(p.op for p in every))
     labels = list(dict.fromkeys(p.label for p in every))
     families = list(
         dict.fromkeys(_family(name) for name in [*(r.codec for r in codec_rows(results)), *labels])
     )
-    palette = [colormaps["tab10"](i) for i in range(10)] + [colormaps["Dark2"](i) for i in range(8)]
+    tab10, dark2 = colormaps.get_cmap("tab10"), colormaps.get_cmap("Dark2")
+    palette = [tab10(i) for i in range(10)] + [dark2(i) for i in range(8)]
     color = {name: palette[i % len(palette)] for i, name in enumerate(families)}
     # Two rows, each laid out on its own (subfigures), so any number of
     # collectives fills the second row's width and no slot stays empty.
@@ -406,7 +407,7 @@ def draw(results: dict[str, Any]) -> Any:
             title_fontsize=8,
         )  # fmt: skip
     fig.suptitle(
-        f"qcomm bench, {results['meta']['started']}: which codec on which link, what it costs, "
+        f"qcomm bench, {results.meta.started}: which codec on which link, what it costs, "
         "and what each collective moved in this run"
     )
     # The labels go where they do not overlap only once the layout is
@@ -420,14 +421,14 @@ def draw(results: dict[str, Any]) -> Any:
     return fig
 
 
-def write_plot(results: dict[str, Any], path: str) -> None:
+def write_plot(results: Results | Mapping[str, Any], path: str) -> None:
     r"""
-    write_plot(results: dict[str, Any], path: str) -> None
+    write_plot(results: Results | Mapping[str, Any], path: str) -> None
 
     Draws the bench's figure (:func:`draw`) into a PNG file.
 
     Args:
-        results (dict[str, Any]): the run's JSON content.
+        results (Results | Mapping[str, Any]): the run's results, or its JSON content.
         path (str): the PNG file to write.
     """
     draw(results).savefig(path, dpi=110)

@@ -5,29 +5,37 @@ figure, and the plot. How to read them: :doc:`/bench`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 from qcomm._table import format_table
-from qcomm.benchmark.advice import advice_json, is_noise, speedups
-from qcomm.benchmark.options import OP_TITLES, format_size
+from qcomm.benchmark.advice import is_noise, speedup_table
+from qcomm.benchmark.options import OP_TITLES, LossGap, format_size
 from qcomm.benchmark.plot import write_plot
-from qcomm.benchmark.rows import (
-    CodecRow,
-    DlrmRow,
-    MlpRow,
-    Point,
-    TrainRow,
+from qcomm.benchmark.results import (
+    BenchMeta,
+    DlrmTrain,
+    LinkFigures,
+    LinkRate,
+    MlpModel,
+    MlpTrain,
+    Results,
+    Roofline,
+    RunAdvice,
+    RunMeta,
+    TrainPick,
     codec_rows,
     points,
-    to_json,
+    record_json,
     train_rows,
-    units,
 )
+from qcomm.benchmark.rows import CodecRow, DlrmRow, MlpRow, Point, TrainRow, units
 
 __all__ = [
     "TRAIN_MLP_UNITS",
@@ -65,11 +73,12 @@ def jsonable(value: Any) -> Any:
     jsonable(value: Any) -> Any
 
     A copy with every row turned into its dict (:func:`~qcomm.benchmark.rows.to_json`)
+    (and every record of :mod:`~qcomm.benchmark.results` into its JSON dict)
     and every non-finite float replaced by ``None``: JSON has no infinity or
     NaN (an exact codec's SQNR is infinite).
 
     Args:
-        value (Any): nested dicts, lists, rows and scalars.
+        value (Any): nested dicts, lists, rows, records and scalars.
 
     Examples::
 
@@ -78,8 +87,10 @@ def jsonable(value: Any) -> Any:
     """
     if isinstance(value, float):
         return value if math.isfinite(value) else None
-    if isinstance(value, (CodecRow, Point, TrainRow)):
-        return jsonable(to_json(value))
+    if isinstance(value, (CodecRow, Point, TrainRow)) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    ):
+        return jsonable(record_json(value))
     if isinstance(value, dict):
         return {key: jsonable(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -97,7 +108,7 @@ def _num(value: float | None, digits: int = 3) -> str:
     return f"{value:.{digits}g}"
 
 
-def _codec_table(results: dict[str, Any]) -> str:
+def _codec_table(results: Results) -> str:
     header = [
         "codec",
         "bits/el",
@@ -136,7 +147,7 @@ def _codec_table(results: dict[str, Any]) -> str:
     return format_table(header, rows, text_columns=1)
 
 
-def _collective_tables(results: dict[str, Any], passes: str) -> list[str]:
+def _collective_tables(results: Results, passes: str) -> list[str]:
     tables = []
     every = points(results)
     sizes = sorted({p.size_bytes for p in every})
@@ -183,7 +194,7 @@ def _times(values: list[float | None], digits: int = 3) -> str:
     return "-" if values[0] is None else f"{values[0]:.{digits}g}"
 
 
-def _detail_tables(results: dict[str, Any]) -> list[str]:
+def _detail_tables(results: Results) -> list[str]:
     # The largest size of each collective, every figure of a row: time with
     # its spread, speed-up and what the compression ratio promises, against
     # the link's bound and against TorchRec.
@@ -230,7 +241,7 @@ def _detail_tables(results: dict[str, Any]) -> list[str]:
     return tables
 
 
-def _against_pytorch(results: dict[str, Any]) -> list[str]:
+def _against_pytorch(results: Results) -> list[str]:
     # qcomm's DDP hook against PyTorch's own hooks, at the largest size of
     # the all-reduce, all from this run.
     ours = [
@@ -262,47 +273,44 @@ def _gbit(value: float | None) -> str:
     return "never" if value == 0 else _num(value)
 
 
-def _gap_text(gap: dict[str, Any] | None) -> str:
+def _gap_text(gap: LossGap | None) -> str:
     if not gap:
         return ""
-    half = gap.get("ci95")
-    interval = (
-        f" [{gap['held_out_gap'] - half:+.4f}, {gap['held_out_gap'] + half:+.4f}]"
-        if half is not None
-        else ""
-    )
-    significant = "significant" if gap["significant"] else "not significant"
+    half, value = gap.ci95, gap.held_out_gap
+    interval = f" [{value - half:+.4f}, {value + half:+.4f}]" if half is not None else ""
+    significant = "significant" if gap.significant else "not significant"
     return (
-        f"; training loss gap {gap['held_out_gap']:+.4f}{interval}, {significant} "
-        f"(training example, {gap['config']})"
+        f"; training loss gap {value:+.4f}{interval}, {significant} "
+        f"(training example, {gap.config})"
     )
 
 
-def _advice(results: dict[str, Any]) -> list[str]:
-    advice = results.get("advice") or advice_json(results)
-    if not any(rate["collectives"] for rate in advice["rates"]):
+def _advice(results: Results) -> list[str]:
+    # The advice is the run's (advice.py made it): a run without one has none to show.
+    advice = results.advice
+    if advice is None or not any(rate.collectives for rate in advice.rates):
         return []
-    real = results["meta"].get("local") is False
+    real = results.meta.local is False
     lines = [
-        f"Advice (qcomm's codecs; {advice['budget']}; from this run's figures, see docs/bench.rst):"
+        f"Advice (qcomm's codecs; {advice.budget}; from this run's figures, see docs/bench.rst):"
     ]
-    if advice.get("training_results"):
-        lines.append(f"  (training loss gaps from {advice['training_results']})")
-    for rate in advice["rates"]:
-        chosen = rate["collectives"]
+    if advice.training_results:
+        lines.append(f"  (training loss gaps from {advice.training_results})")
+    for rate in advice.rates:
+        chosen = rate.collectives
         if not chosen:
             continue
-        gbit = rate["gbit_per_s"]
-        if rate.get("provisional"):
+        gbit = rate.gbit_per_s
+        if rate.provisional:
             lines.append(
                 f"  PROVISIONAL at {gbit:g} Gbit/s: faster candidates are within this "
-                f"run's spread between rounds (x{rate['spread']:.2f}) of a pick, so its "
+                f"run's spread between rounds (x{rate.spread:.2f}) of a pick, so its "
                 f"figures cannot separate the candidates; more --rounds (or a run "
                 f"without --quick) can pick otherwise"
             )
         if real:
             lines.append("  on this cluster's link (measured in this run):")
-        elif chosen[0]["measured"]:
+        elif chosen[0].measured:
             lines.append(f"  on the emulated {gbit:g} Gbit/s link (measured in this run):")
         else:
             lines.append(
@@ -310,24 +318,24 @@ def _advice(results: dict[str, Any]) -> list[str]:
             )
         for a in chosen:
             lines.append(
-                f"    {OP_TITLES.get(a['op'], a['op'])}: {a['pair']}, x{a['speedup']:.2f} forward "
-                f"and backward (forward x{a['forward_speedup']:.2f}); forward error RMS "
-                f"{_num(a['rms_rel_error'], 2)} of the data's RMS, largest "
-                f"{_num(a['max_rel_error'], 2)} of its max|x|{_gap_text(a['loss_gap'])}"
+                f"    {OP_TITLES.get(a.op, a.op)}: {a.pair}, x{a.speedup:.2f} forward "
+                f"and backward (forward x{a.forward_speedup:.2f}); forward error RMS "
+                f"{_num(a.rms_rel_error, 2)} of the data's RMS, largest "
+                f"{_num(a.max_rel_error, 2)} of its max|x|{_gap_text(a.loss_gap)}"
             )
-            if a["left_out"]:
-                lines.append(f"      left out by the error budget: {', '.join(a['left_out'])}")
-            if a["close"]:
+            if a.left_out:
+                lines.append(f"      left out by the error budget: {', '.join(a.left_out)}")
+            if a.close:
                 lines.append(
                     f"      faster, but not by more than this run's spread between rounds "
-                    f"(x{a['spread']:.2f}) and with more error: {', '.join(a['close'])}"
+                    f"(x{a.spread:.2f}) and with more error: {', '.join(a.close)}"
                 )
-            if a["noise"]:
+            if a.noise:
                 lines.append(
                     f"      not used, their figures exceed what their bytes allow (noise): "
-                    f"{', '.join(a['noise'])}"
+                    f"{', '.join(a.noise)}"
                 )
-        spec = rate["registry"]
+        spec = rate.registry
         lines.append(f"    QCOMM_CODECS='{spec}'  or  qcomm.build_registry(\"{spec}\")")
         if real:
             break
@@ -335,32 +343,29 @@ def _advice(results: dict[str, Any]) -> list[str]:
     return _speedup_table(results, advice) + lines
 
 
-def _speedup_table(results: dict[str, Any], advice: dict[str, Any]) -> list[str]:
-    if results["meta"].get("local") is False:
+def _speedup_table(results: Results, advice: RunAdvice) -> list[str]:
+    table = speedup_table(results, [rate.gbit_per_s for rate in advice.rates])
+    if table is None:
         return []
-    rates = [rate["gbit_per_s"] for rate in advice["rates"]]
-    figures = [speedups(results, gbit) for gbit in rates]
-    op = next((op for op in figures[0] if all(op in f for f in figures)), None)
-    if op is None:
-        return []
-    header = ["codec", *[f"{gbit:g} Gbit/s" for gbit in rates]]
-    table = [
-        [label, *["noise" if f[op][label].noise else f"x{f[op][label].value:.2f}" for f in figures]]
-        for label in figures[0][op]
+    header = ["codec", *[f"{gbit:g} Gbit/s" for gbit in table.rates]]
+    cells = [
+        [label, *["noise" if f.noise else f"x{f.value:.2f}" for f in figures]]
+        for label, figures in table.rows.items()
     ]
-    how = "measured" if figures[0][op]["noop"].measured else "expected"
+    how = "measured" if table.measured else "expected"
+    op = table.op
     return [
         f"Speed-up over noop, {OP_TITLES.get(op, op)}, {how} ('noise': above the codec's "
         f"compression ratio; the plot has every rate):",
-        "  " + format_table(header, table, text_columns=1).replace("\n", "\n  "),
+        "  " + format_table(header, cells, text_columns=1).replace("\n", "\n  "),
         "",
     ]
 
 
-def _warnings(results: dict[str, Any]) -> list[str]:
-    meta = results["meta"]
+def _warnings(results: Results) -> list[str]:
+    meta = results.bench_meta
     out = []
-    load, cores = meta.get("load_before"), meta.get("cpu_count") or 1
+    load, cores = meta.load_before, meta.cpu_count or 1
     if load and load[0] > 0.5 * cores:
         out.append(
             f"Warning: the machine was busy before the run (load {load[0]:.2f} on {cores} "
@@ -386,35 +391,35 @@ def _warnings(results: dict[str, Any]) -> list[str]:
 SPREAD_WARNING = 0.2
 
 
-def _link_line(link: dict[str, Any] | None) -> list[str]:
-    if not link:
+def _link_line(link: LinkRate | None) -> list[str]:
+    if not isinstance(link, LinkFigures):
         return []
-    rate = link["rate_bps"]
+    rate = link.rate_bps or 0.0
     measured = (
-        f"measured {_num(link.get('one_way_GBps'))} GB/s one way, "
-        f"{_num(link.get('both_ways_GBps'))} GB/s each way with both sending"
-        if link.get("one_way_GBps")
-        else f"not measured ({_first_line(link.get('error'))})"
+        f"measured {_num(link.one_way_GBps)} GB/s one way, "
+        f"{_num(link.both_ways_GBps)} GB/s each way with both sending"
+        if link.one_way_GBps
+        else f"not measured ({_first_line(link.error)})"
     )
     return [
-        f"Emulated link: {link['spec']} each way ({rate / 8 / 1e9:.3g} GB/s), {measured} "
-        f"({format_size(link['bytes'])} of float32 per transfer).",
+        f"Emulated link: {link.spec} each way ({rate / 8 / 1e9:.3g} GB/s), {measured} "
+        f"({format_size(link.bytes or 0)} of float32 per transfer).",
     ]
 
 
-def _ranks(meta: dict[str, Any]) -> str:
-    per_host = meta.get("ranks_per_host")
+def _ranks(meta: BenchMeta) -> str:
+    per_host, world = meta.ranks_per_host, meta.world_size or 0
     if not per_host:
-        return f"{meta['world_size']} ranks"
-    return f"{meta['world_size']} ranks as {meta['world_size'] // per_host} hosts of {per_host}"
+        return f"{world} ranks"
+    return f"{world} ranks as {world // per_host} hosts of {per_host}"
 
 
-def _by_host_note(results: dict[str, Any]) -> list[str]:
+def _by_host_note(results: Results) -> list[str]:
     # What a row of codecs by host is of: said once, under the tables.
     shares = [r.crossing_share for r in codec_rows(results) if r.crossing_share is not None]
     if not shares:
         return []
-    per_host = results["meta"].get("ranks_per_host") or 1
+    per_host = results.bench_meta.ranks_per_host or 1
     hierarchical = (
         f" (their all-reduce is hierarchical: {per_host} times fewer bytes between hosts, "
         f"besides the codec's)"
@@ -430,26 +435,28 @@ def _by_host_note(results: dict[str, Any]) -> list[str]:
     ]
 
 
-def format_report(results: dict[str, Any]) -> str:
+def format_report(results: Results | Mapping[str, Any]) -> str:
     r"""
-    format_report(results: dict[str, Any]) -> str
+    format_report(results: Results | Mapping[str, Any]) -> str
 
     The terminal report: the codec table, the collectives' tables, the
     legend, the machine's load, warnings, the failures with their reasons,
-    and last the advice.
+    and last the advice: the results' own (:func:`~qcomm.benchmark.advice.run_advice`
+    made it), none where they have none.
 
     Args:
-        results (dict[str, Any]): the JSON's content.
+        results (Results | Mapping[str, Any]): the run's results, or the JSON's content.
     """
-    meta = results["meta"]
-    roof = results["roofline"]
+    results = Results.of(results)
+    meta = results.bench_meta
+    roof = results.roofline or Roofline()
     lines = [
-        f"qcomm bench: {_ranks(meta)}, {meta['backend']} on {meta['device']}, "
-        f"{meta['threads_per_rank']} thread(s) per rank, {meta['duration_s']:.0f} s",
-        *_link_line(results.get("link")),
+        f"qcomm bench: {_ranks(meta)}, {meta.backend} on {meta.device}, "
+        f"{meta.threads_per_rank} thread(s) per rank, {meta.duration_s or 0.0:.0f} s",
+        *_link_line(results.link),
         "",
-        f"Codecs on {format_size(roof['bytes'])} of float32 per rank "
-        f"(memory copy: {_num(roof['copy_GBps'])} GB/s; 'x copy' = fraction of it; "
+        f"Codecs on {format_size(roof.bytes or 0)} of float32 per rank "
+        f"(memory copy: {_num(roof.copy_GBps)} GB/s; 'x copy' = fraction of it; "
         f"each error relative to the data's own: rms rel = RMS error / RMS of x, "
         f"max rel = largest error / max|x|):",
         _codec_table(results),
@@ -461,7 +468,6 @@ def format_report(results: dict[str, Any]) -> str:
     against = _against_pytorch(results)
     if against:
         lines += ["", *against]
-    load = (meta.get("load_before"), meta.get("load_after"))
     lines += [
         "",
         "Collectives: bus bandwidth in GB/s of float32 (nccl-tests' busbw) and speed-up "
@@ -476,12 +482,8 @@ def format_report(results: dict[str, Any]) -> str:
         "'vs TorchRec' is TorchRec's time with fbgemm's codec of the format over qcomm's.",
         "noop's encode and decode return their input: their throughput is the cost of a call.",
         *_by_host_note(results),
+        *_load_line(meta),
     ]
-    if load[0] and load[1]:
-        lines.append(
-            f"Machine load (1-minute average) {load[0][0]:.2f} before, {load[1][0]:.2f} after, "
-            f"on {meta.get('cpu_count')} cores."
-        )
     lines += _warnings(results)
     failures = [(r.codec, r.error) for r in codec_rows(results) if r.status != "ok"]
     # One line per collective and reason, listing the sizes it failed at.
@@ -493,7 +495,8 @@ def format_report(results: dict[str, Any]) -> str:
     failures += [
         (f"{name} ({', '.join(sizes)})", error) for (name, error), sizes in failed_sizes.items()
     ]
-    unavailable = [(k, v) for k, v in results["unavailable"].items() if v]
+    reasons = dataclasses.asdict(results.unavailable) if results.unavailable else {}
+    unavailable = [(k, v) for k, v in reasons.items() if v]
     if failures or unavailable:
         lines += ["", "Failed or unavailable:"]
         lines += [f"  {name}: {_first_line(error)}" for name, error in [*unavailable, *failures]]
@@ -511,50 +514,52 @@ def _versus(row: TrainRow) -> float | None:
     return row.vs_torchrec if isinstance(row, DlrmRow) else None
 
 
-def format_train_report(results: dict[str, Any]) -> str:
-    r"""
-    format_train_report(results: dict[str, Any]) -> str
+def _load_line(meta: RunMeta) -> list[str]:
+    # The machine's load before and after the run, where the system says.
+    load = (getattr(meta, "load_before", None), getattr(meta, "load_after", None))
+    if not (load[0] and load[1]):
+        return []
+    return [
+        f"Machine load (1-minute average) {load[0][0]:.2f} before, {load[1][0]:.2f} after, "
+        f"on {meta.cpu_count} cores."
+    ]
 
-    The terminal report of ``qcomm bench --train``: one row per series,
-    the advice's pick (DLRM), what the figures mean, and the failures.
 
-    Args:
-        results (dict[str, Any]): the JSON's content.
-    """
-    meta, train = results["meta"], results["train"]
-    model, rows = train["model"], train_rows(results)
-    link = results.get("link")
-    where = f"an emulated {link['spec']} link each way" if link else "loopback"
-    if not meta.get("local"):
+def _train_what(results: Results, train: DlrmTrain | MlpTrain) -> list[str]:
+    # The run's first lines: ranks, where they talk, and the model.
+    meta, model, link = results.meta, train.model, results.link
+    where = f"an emulated {link.spec} link each way" if link else "loopback"
+    if not meta.local:
         where = "the launcher's network"
-    timed = sum(model["steps_per_round"])
+    timed = sum(model.steps_per_round)
     steps = (
-        f"{model['steps']} steps per series: {model['warm_up_steps']} warm-up, {timed} timed "
-        f"in {len(model['steps_per_round'])} interleaved rounds."
+        f"{model.steps} steps per series: {model.warm_up_steps} warm-up, {timed} timed "
+        f"in {len(model.steps_per_round)} interleaved rounds."
     )
-    mlp = model.get("name") == "mlp"
-    if mlp:
+    if isinstance(model, MlpModel):
         what = (
-            f"MLP under DistributedDataParallel: {model['layers']} hidden layers of "
-            f"{model['width']} (Linear+ReLU), {model['parameters']:,} parameters "
-            f"({model['gradient_bytes'] / 2**20:.3g} MiB of float32 gradients a step), batch "
-            f"{model['batch_per_rank']} per rank; {steps}"
+            f"MLP under DistributedDataParallel: {model.layers} hidden layers of "
+            f"{model.width} (Linear+ReLU), {model.parameters:,} parameters "
+            f"({model.gradient_bytes / 2**20:.3g} MiB of float32 gradients a step), batch "
+            f"{model.batch_per_rank} per rank; {steps}"
         )
-        baseline, versus = "default", "x fp16 hook"
     else:
         what = (
-            f"TorchRec DLRM: {model['tables']} tables of {model['rows']} rows x {model['dim']} "
-            f"({model['table_wise']} table-wise, {model['row_wise']} row-wise), batch "
-            f"{model['batch_per_rank']} per rank; {steps}"
+            f"TorchRec DLRM: {model.tables} tables of {model.rows} rows x {model.dim} "
+            f"({model.table_wise} table-wise, {model.row_wise} row-wise), batch "
+            f"{model.batch_per_rank} per rank; {steps}"
         )
-        baseline, versus = "fp32", "x TorchRec"
-    lines = [
-        f"qcomm bench --train: {meta['world_size']} ranks, {meta['backend']} on "
-        f"{meta['device']} over {where}, {meta['threads_per_rank']} thread(s) per rank, "
-        f"{meta['duration_s']:.0f} s",
+    return [
+        f"qcomm bench --train: {meta.world_size} ranks, {meta.backend} on "
+        f"{meta.device} over {where}, {meta.threads_per_rank} thread(s) per rank, "
+        f"{meta.duration_s or 0.0:.0f} s",
         what,
         "",
     ]
+
+
+def _train_table(rows: list[DlrmRow] | list[MlpRow], mlp: bool) -> str:
+    baseline, versus = ("default", "x fp16 hook") if mlp else ("fp32", "x TorchRec")
     header = ["series", "step ms", "min-max ms", "spread", f"x {baseline}", versus]
     header += ["comm share", "loss", f"gap to {baseline}"]
     table = []
@@ -576,40 +581,61 @@ def format_train_report(results: dict[str, Any]) -> str:
                 "-" if r.loss_gap is None else f"{r.loss_gap:+.2g}",
             ]
         )
-    lines += [format_table(header, table, text_columns=1), ""]
-    if mlp:
-        lines.append(
+    return format_table(header, table, text_columns=1)
+
+
+def _train_legend(train: DlrmTrain | MlpTrain) -> list[str]:
+    if isinstance(train, MlpTrain):
+        return [
             "step: the median round of the slowest rank's time per step (forward, backward, "
             "SGD); 'x default': the default hook's step over the series'; 'x fp16 hook': "
             "fp16_compress_hook's over the series'; 'comm share': 1 - (one rank alone, no "
             "collective) / step; loss: the last step's MSE, mean over ranks, every series from "
             "the same weights on the same batches. qcomm's hook overlaps the backward pass; "
             "its synchronous row waits for every bucket, which shows what the overlap buys."
-        )
-    else:
-        advice = train["advice"]
-        rate = advice["gbit_per_s"]
-        for_link = "loopback" if rate is None else f"a {rate:g} Gbit/s link"
-        lines += [
-            f"Advice's pick for {for_link} (a rule, see docs/bench.rst): "
-            f"{advice['registry'] or 'no codec'}.",
-            "step: the median round of the slowest rank's time per step (forward, backward, "
-            "optimizers); 'x fp32': fp32's step over the series'; 'x TorchRec': TorchRec's "
-            "codecs with the same all-to-all pair over the series'; 'comm share': 1 - (one "
-            "rank alone, no collective) / step; loss: the last step's, mean over ranks, every "
-            "series from the same weights on the same batches.",
         ]
-        if not train["reduce_scatter_on_qcomm"]:
-            lines.append(
-                f"TorchRec's reduce-scatter with a qcomm codec ran on TorchRec's transport: "
-                f"{_first_line(train['reduce_scatter_refused'])}."
-            )
-    load = (meta.get("load_before"), meta.get("load_after"))
-    if load[0] and load[1]:
+    advice = train.advice or TrainPick()
+    rate = advice.gbit_per_s
+    for_link = "loopback" if rate is None else f"a {rate:g} Gbit/s link"
+    lines = [
+        f"Advice's pick for {for_link} (a rule, see docs/bench.rst): "
+        f"{advice.registry or 'no codec'}.",
+        "step: the median round of the slowest rank's time per step (forward, backward, "
+        "optimizers); 'x fp32': fp32's step over the series'; 'x TorchRec': TorchRec's "
+        "codecs with the same all-to-all pair over the series'; 'comm share': 1 - (one "
+        "rank alone, no collective) / step; loss: the last step's, mean over ranks, every "
+        "series from the same weights on the same batches.",
+    ]
+    if not train.reduce_scatter_on_qcomm:
         lines.append(
-            f"Machine load (1-minute average) {load[0][0]:.2f} before, {load[1][0]:.2f} after, "
-            f"on {meta.get('cpu_count')} cores."
+            f"TorchRec's reduce-scatter with a qcomm codec ran on TorchRec's transport: "
+            f"{_first_line(train.reduce_scatter_refused)}."
         )
+    return lines
+
+
+def format_train_report(results: Results | Mapping[str, Any]) -> str:
+    r"""
+    format_train_report(results: Results | Mapping[str, Any]) -> str
+
+    The terminal report of ``qcomm bench --train``: one row per series,
+    the advice's pick (DLRM), what the figures mean, and the failures.
+
+    Args:
+        results (Results | Mapping[str, Any]): the run's results, or the JSON's content.
+
+    Raises:
+        ValueError: if ``results`` are not of a ``--train`` run.
+    """
+    results = Results.of(results)
+    train = results.train
+    if train is None:
+        raise ValueError("format_train_report: expected the results of a --train run")
+    rows = train_rows(results)
+    lines = _train_what(results, train)
+    lines += [_train_table(rows, isinstance(train, MlpTrain)), ""]
+    lines += _train_legend(train)
+    lines += _load_line(results.meta)
     wide = [r.label for r in rows if r.status == "ok" and (r.spread or 0.0) > SPREAD_WARNING]
     if wide:
         lines.append(
@@ -630,10 +656,13 @@ def _first_line(text: str | None, width: int = 160) -> str:
 
 
 def write_report(
-    results: dict[str, Any], *, json_path: str | None = None, plot_path: str | None = None
+    results: Results | Mapping[str, Any],
+    *,
+    json_path: str | None = None,
+    plot_path: str | None = None,
 ) -> None:
     r"""
-    write_report(results: dict[str, Any], *, json_path: str | None = None, plot_path: str | None = None) -> None
+    write_report(results: Results | Mapping[str, Any], *, json_path: str | None = None, plot_path: str | None = None) -> None
 
     Writes the JSON and the plot if asked, then prints the report on stdout,
     last, so that the run ends with its advice.
@@ -642,11 +671,12 @@ def write_report(
     stderr rather than being lost.
 
     Args:
-        results (dict[str, Any]): the run's figures.
+        results (Results | Mapping[str, Any]): the run's figures.
         json_path (str, optional): where to write them all. Default: ``None``.
         plot_path (str, optional): where to draw the PNG. Default: ``None``.
     """
-    train = "train" in results
+    results = Results.of(results)
+    train = results.train is not None
     report = (format_train_report if train else format_report)(results)
     try:
         if json_path:
@@ -660,12 +690,11 @@ def write_report(
         print(report, flush=True)
 
 
-def _write_json(results: dict[str, Any], json_path: str, train: bool) -> None:
+def _write_json(results: Results, json_path: str, train: bool) -> None:
     units = UNITS
     if train:
-        mlp = results["train"]["model"].get("name") == "mlp"
-        units = TRAIN_MLP_UNITS if mlp else TRAIN_UNITS
-    text = json.dumps(jsonable({**results, "units": units}), indent=2, allow_nan=False)
+        units = TRAIN_MLP_UNITS if results.mlp else TRAIN_UNITS
+    text = json.dumps(jsonable({**results.to_json(), "units": units}), indent=2, allow_nan=False)
     try:
         with open(json_path, "w") as f:
             f.write(text + "\n")

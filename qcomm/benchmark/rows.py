@@ -7,8 +7,8 @@ The rows of ``qcomm bench``'s report, typed: a codec on its own
 Each field says what it means beside it (:func:`column`); the JSON's
 ``units`` are made from those texts (:func:`units`). A new column is one
 field. The records become the JSON's dicts in :func:`to_json` and come back
-from them in :func:`from_json`; the consumers take either
-(:func:`codec_rows`, :func:`points`, :func:`train_rows`). No torch here: the
+from them in :func:`from_json`; the results around them are typed in
+:mod:`qcomm.benchmark.results`, whose readers take either. No torch here: the
 command line's advice reads these.
 """
 
@@ -24,12 +24,9 @@ __all__ = [
     "MlpRow",
     "Point",
     "TrainRow",
-    "codec_rows",
     "column",
     "from_json",
-    "points",
     "to_json",
-    "train_rows",
     "units",
 ]
 
@@ -423,47 +420,3 @@ def from_json(record: type[_Row], data: Mapping[str, Any]) -> _Row:
     if missing:
         raise ValueError(f"{record.__name__}: missing required key(s) {', '.join(missing)}")
     return record(**{fields[key].name: value for key, value in data.items()})
-
-
-def _rows(record: type[_Row], items: list[Any]) -> list[_Row]:
-    return [item if isinstance(item, record) else from_json(record, item) for item in items]
-
-
-def codec_rows(results: Mapping[str, Any]) -> list[CodecRow]:
-    r"""
-    codec_rows(results: Mapping[str, Any]) -> list[CodecRow]
-
-    A run's codec rows, records or read back from the JSON's dicts.
-
-    Args:
-        results (Mapping[str, Any]): the run's results, or its JSON content.
-    """
-    return _rows(CodecRow, results["codecs"])
-
-
-def points(results: Mapping[str, Any]) -> list[Point]:
-    r"""
-    points(results: Mapping[str, Any]) -> list[Point]
-
-    A run's collective points, records or read back from the JSON's dicts.
-
-    Args:
-        results (Mapping[str, Any]): the run's results, or its JSON content.
-    """
-    return _rows(Point, results["collectives"])
-
-
-def train_rows(results: Mapping[str, Any]) -> list[DlrmRow] | list[MlpRow]:
-    r"""
-    train_rows(results: Mapping[str, Any]) -> list[DlrmRow] | list[MlpRow]
-
-    A ``--train`` run's series, records or read back from the JSON's dicts:
-    :class:`MlpRow` where the model is the MLP.
-
-    Args:
-        results (Mapping[str, Any]): the run's results, or its JSON content.
-    """
-    train = results["train"]
-    if train["model"].get("name") == "mlp":
-        return _rows(MlpRow, train["series"])
-    return _rows(DlrmRow, train["series"])

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from qcomm.benchmark.candidates import Candidate
-from qcomm.ops import BenchOp, CommOp, DenseOp
+from qcomm.benchmark.options import BenchOp, DenseOp
+from qcomm.ops import CommOp
 from qcomm.types import HostCodecs, QuantizedCommCodecs
 
 __all__ = [

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from qcomm.benchmark.options import BenchConfig
+from qcomm.config import VARIABLES, launch_env
 
 __all__ = [
     "CONFIG_ENV",
@@ -43,7 +44,7 @@ LINK_CONTROL_ENV = "QCOMM_BENCH_LINK_CONTROL"
 
 #: how many ranks share a host (ranks numbered host by host), which qcomm's
 #: collectives read on every call with codecs by host (:class:`~qcomm.HostCodecs`)
-RANKS_PER_HOST_ENV = "QCOMM_RANKS_PER_HOST"
+RANKS_PER_HOST_ENV = VARIABLES["ranks_per_host"]
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 
@@ -55,7 +56,7 @@ def launcher_env() -> bool:
     Whether a launcher such as ``torchrun`` started this process as one rank
     (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` all set).
     """
-    return all(os.environ.get(name) for name in _LAUNCHER_VARS)
+    return all(launch_env(name) for name in _LAUNCHER_VARS)
 
 
 class Session:
@@ -75,18 +76,18 @@ class Session:
     def __init__(self, config: BenchConfig, local: bool) -> None:
         #: spawned by spawn_local (the link is loopback or emulated), not a launcher
         self.local = local
-        self.rank = int(os.environ["RANK"])
-        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.rank = int(launch_env("RANK") or 0)
+        self.world_size = int(launch_env("WORLD_SIZE") or 1)
         if not local and torch.cuda.is_available():
             self.backend = "nccl"
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            self.device = torch.device("cuda", int(launch_env("LOCAL_RANK") or 0))
             torch.cuda.set_device(self.device)
         else:
             self.backend = "gloo"
             self.device = torch.device("cpu")
         self._timeout = datetime.timedelta(seconds=config.timeout)
-        self._heartbeat = os.environ.get(HEARTBEAT_ENV)
-        self._link_control = os.environ.get(LINK_CONTROL_ENV)
+        self._heartbeat = launch_env(HEARTBEAT_ENV)
+        self._link_control = launch_env(LINK_CONTROL_ENV)
         #: whether this run's link is emulated, so that :meth:`set_shaping` works
         self.link_control = self._link_control is not None
         long_timeout = 3 * self._timeout

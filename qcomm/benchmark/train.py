@@ -2,7 +2,7 @@ r"""
 The training-step benchmark of ``qcomm bench --train`` (see :doc:`/bench`,
 "Training steps"): TorchRec's DLRM sharded by ``DistributedModelParallel``
 over the bench's ranks, trained with each configuration of codecs (a
-:class:`TrainSeries`) in turn, every one from the same weights on the same
+:class:`~qcomm.benchmark.harness.TrainSeries`) in turn, every one from the same weights on the same
 batches, and timed step by step in interleaved rounds.
 
 By default half the tables are sharded table-wise (TorchRec's pooled
@@ -12,52 +12,47 @@ collectives carry each series' codecs, forward and backward
 go through the ``DistributedDataParallel`` that TorchRec wraps it in. A
 reference series trains the same model on each rank alone, unsharded and
 with no collective, which gives the step's communication share
-(:func:`comm_share`).
+(:func:`~qcomm.benchmark.harness.comm_share`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
 import math
-import os
-import random
-import statistics
-import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import qcomm
 from qcomm import torchrec_exchange
-from qcomm.benchmark.agreement import agreed, agreed_here
+from qcomm.benchmark.agreement import agreed_here
+from qcomm.benchmark.harness import (
+    LOCAL,
+    MemoryEstimate,
+    Run,
+    TrainSeries,
+    add_figures,
+    round_steps,
+    run_model,
+    series_group,
+    timed_row,
+)
 from qcomm.benchmark.link import parse_rate
-from qcomm.benchmark.meta import load, run_meta
-from qcomm.benchmark.metrics import relative_spread
 from qcomm.benchmark.options import TRAIN_ROWS as ROWS
 from qcomm.benchmark.options import TRAIN_WARM_UP_STEPS, BenchConfig
-from qcomm.benchmark.progress import Progress, begin
-from qcomm.benchmark.report import write_report
-from qcomm.benchmark.rows import DlrmRow, TrainRow
-from qcomm.benchmark.session import EXIT_CODEC_FAILED, Session
-from qcomm.benchmark.timing import synchronize
+from qcomm.benchmark.results import DlrmModel, DlrmTrain, TrainPick
+from qcomm.benchmark.rows import DlrmRow
+from qcomm.benchmark.session import Session
+from qcomm.specs import parse_pair_spec, parse_registry_string
 from qcomm.types import CommOp
 
 __all__ = [
-    "LOCAL",
-    "TrainSeries",
+    "Dlrm",
     "advice_pick",
-    "comm_share",
     "link_gbps",
     "run_train",
     "train_series",
 ]
-
-#: the label of the reference series, each rank alone with no collective
-LOCAL = "one rank, no collective"
 
 DENSE_FEATURES = 13  # as in the Criteo data DLRM was made for
 MAX_IDS = 7  # ids per bag: 1 to 7, uniformly
@@ -77,57 +72,8 @@ _SEQ = CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value
 # needs a context that the reduce-scatter does not pass): there it takes
 # what TorchRec itself falls back to for formats it cannot reduce-scatter.
 _TORCHREC_RS_FALLBACK = ("fp16", "bf16")
-# What keeps qcomm's codecs on TorchRec's own transport in TorchRec.
-_TRANSPORT_ENV = torchrec_exchange.ENV
 # Links up to this rate get the advice rule's codecs (see advice_pick).
 _ADVICE_MAX_GBPS = 10.0
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSeries:
-    r"""
-    One configuration of ``qcomm bench --train``.
-
-    Args:
-        label (str): its name in the report, e.g. ``"qcomm int8/bf16"``.
-        kind (str): ``"fp32"``, ``"torchrec"`` (TorchRec's own codecs),
-            ``"qcomm"`` (a :func:`~qcomm.build_registry` registry, or with
-            ``--train-model mlp`` qcomm's DDP hook), ``"pytorch"`` (PyTorch's
-            ``fp16_compress_hook``, ``--train-model mlp``) or ``"local"``.
-        pair (str | None): the pooled all-to-all's ``forward/backward`` codecs,
-            what series of different kinds are compared by; ``None``: no codec.
-        registry (str | None): the qcomm registry string, ``None`` for none.
-        dense (str | None): the codec of qcomm's DDP hook on the dense part
-            (with error feedback), ``None`` for DDP's own all-reduce.
-        torchrec_transport (bool): the registry's codecs travel on TorchRec's
-            own transport, not on qcomm's exchange (TorchRec's own functions
-            put back, :func:`~qcomm.torchrec_exchange.uninstall`, during the
-            series' steps).
-        overlap (bool): qcomm's DDP hook returns its future at once and the
-            backward pass goes on; ``False``: the hook waits for it first.
-    """
-
-    label: str
-    kind: str
-    pair: str | None = None
-    registry: str | None = None
-    dense: str | None = None
-    torchrec_transport: bool = False
-    overlap: bool = True
-
-    @property
-    def unsummable_reduce_scatter(self) -> bool:
-        r"""
-        unsummable_reduce_scatter() -> bool
-
-        Whether the registry gives the reduce-scatter a forward codec whose
-        wire cannot be summed, which only qcomm's exchange can carry.
-        """
-        if self.registry is None:
-            return False
-        pairs = dict(item.split("=", 1) for item in self.registry.split(","))
-        forward = pairs.get(_RS, "noop").split("/")[0]
-        return forward not in ("noop", "fp16", "bf16")
 
 
 def _qcomm_registry(a2a: str, rs: str) -> str:
@@ -190,7 +136,7 @@ def train_series(config: BenchConfig) -> list[TrainSeries]:
     The series of a ``--train`` run, in the report's order (each round
     runs them in an order of its own, drawn from the seed): float32, TorchRec's codecs (left out with ``--no-fbgemm``), qcomm's
     registries, qcomm's DDP hook on top of one, the advice's pick
-    (:func:`advice_pick`), and the reference :data:`LOCAL`.
+    (:func:`advice_pick`), and the reference :data:`~qcomm.benchmark.harness.LOCAL`.
 
     Args:
         config (BenchConfig): the run's settings.
@@ -235,39 +181,9 @@ def train_series(config: BenchConfig) -> list[TrainSeries]:
     if pick is None:
         series.append(TrainSeries("advice: no codec", "fp32"))
     else:
-        pair = pick.split(",")[0].split("=")[1]
+        pair = parse_registry_string(pick)[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL]
         series.append(TrainSeries(f"advice: {pair}", "qcomm", pair, pick))
     return [*series, TrainSeries(LOCAL, "local")]
-
-
-def comm_share(local_s: float, step_s: float) -> float:
-    r"""
-    comm_share(local_s: float, step_s: float) -> float
-
-    The share of a training step that is communication:
-    :math:`1 - t_\text{local} / t_\text{step}`, where :math:`t_\text{local}`
-    is the step on one rank alone (the same lookups, dense layers and
-    optimizers, no collective). It counts all a step spends because it is
-    distributed: the collectives, the codecs' work, TorchRec's input and
-    output distribution, waiting for the slowest rank; noise can make it
-    slightly negative.
-
-    Args:
-        local_s (float): the step's seconds on one rank alone.
-        step_s (float): the distributed step's seconds.
-
-    Examples::
-
-        >>> comm_share(0.02, 0.08)
-        0.75
-    """
-    return 1.0 - local_s / step_s
-
-
-def _round_steps(config: BenchConfig) -> list[int]:
-    # The timed steps (those after the warm-up) split over the rounds.
-    timed, rounds = config.train_steps - TRAIN_WARM_UP_STEPS, config.rounds
-    return [timed // rounds + (1 if r < timed % rounds else 0) for r in range(rounds)]
 
 
 @dataclasses.dataclass
@@ -374,7 +290,7 @@ def _torchrec_registry(pair: str) -> Any:
             forward_precision=CommType(forward), backward_precision=CommType(backward)
         )
 
-    forward, backward = pair.split("/")
+    forward, backward = parse_pair_spec(pair, "TorchRec's codecs")
     # No device: given "cpu", TorchRec would turn BF16 into FP16, which gloo
     # (torch 2.13) carries as well.
     registry = get_qcomm_codecs_registry(config(forward, backward))
@@ -491,27 +407,7 @@ def _local_model(
     return model, torch.optim.SGD(dense, lr=LEARNING_RATE)
 
 
-@dataclasses.dataclass
-class _Run:
-    # One series on this rank: its model, where it is, what it measured.
-    series: TrainSeries
-    model: Any = None
-    optimizer: Any = None
-    step: int = 0
-    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    samples: list[float] = dataclasses.field(default_factory=list)
-    status: str = "ok"
-    error: str | None = None
-
-
-def _group(session: Session, config: BenchConfig) -> Any:
-    # Every series on a group of its own: one that fails or times out
-    # leaves the others' groups as they were.
-    timeout = datetime.timedelta(seconds=config.timeout)
-    return dist.new_group(backend=session.backend, timeout=timeout)
-
-
-def _build(session: Session, config: BenchConfig, run: _Run, refused: str | None) -> None:
+def _build(session: Session, config: BenchConfig, run: Run, refused: str | None) -> None:
     if run.series.unsummable_reduce_scatter and refused is not None:
         run.status = "skipped"
         run.error = (
@@ -522,7 +418,7 @@ def _build(session: Session, config: BenchConfig, run: _Run, refused: str | None
     if run.series.kind == "local":
         built, problem = agreed_here(session, lambda: _local_model(config, session.device))
     else:
-        group = _group(session, config)
+        group = series_group(session, config)
         built, problem = agreed_here(
             session, lambda: _sharded_model(run.series, config, group, session.device)
         )
@@ -532,25 +428,7 @@ def _build(session: Session, config: BenchConfig, run: _Run, refused: str | None
         run.model, run.optimizer = built
 
 
-@contextlib.contextmanager
-def _transport(series: TrainSeries) -> Iterator[None]:
-    # qcomm reads QCOMM_TORCHREC_COLLECTIVES once per install, at its first
-    # call: TorchRec's own functions go back in place for the series' steps.
-    if not series.torchrec_transport or not torchrec_exchange.installed():
-        yield
-        return
-    torchrec_exchange.uninstall()
-    try:
-        yield
-    finally:
-        torchrec_exchange.install()
-
-
-#: one training step of a run on a batch: forward, backward, optimizer; the loss
-_StepFn = Callable[[_Run, Any], torch.Tensor]
-
-
-def _dlrm_step(run: _Run, batch: _Batch) -> torch.Tensor:
+def _dlrm_step(run: Run, batch: _Batch) -> torch.Tensor:
     loss = torch.nn.functional.binary_cross_entropy_with_logits(
         run.model(batch.dense, batch.sparse).squeeze(-1), batch.labels
     )
@@ -560,143 +438,13 @@ def _dlrm_step(run: _Run, batch: _Batch) -> torch.Tensor:
     return loss
 
 
-def _train(run: _Run, batches: list[Any], steps: int, device: torch.device, step: _StepFn) -> float:
-    # `steps` training steps; seconds per step on this rank.
-    start = time.perf_counter()
-    with _transport(run.series):
-        for _ in range(steps):
-            run.losses.append(step(run, batches[run.step]).detach())
-            run.step += 1
-        synchronize(device)
-    return (time.perf_counter() - start) / steps
-
-
-def _block(
-    session: Session, run: _Run, batches: list[Any], steps: int, step: _StepFn
-) -> float | None:
-    # Steps after a barrier, so that every rank starts together; a step
-    # ends when its slowest rank is done.
-    def timed() -> float:
-        dist.barrier(group=session.work)
-        return _train(run, batches, steps, session.device, step)
-
-    times, problem = agreed(session, timed)
-    if times is None:
-        run.status, run.error = "failed", problem
-        return None
-    return float(max(times))
-
-
-def _reduce_scatter_check(session: Session, group: Any) -> str | None:
-    # Whether TorchRec's reduce-scatter, given an int8 qcomm codec, sums
-    # right (None) or not (why): only qcomm's exchange can carry a wire that
-    # cannot be summed. Checked on a one-table row-wise model.
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-
-    world, device = group.size(), session.device
-    rows, dim, bags = 8 * world, 8, 4
-    registry = qcomm.build_registry(f"{_RS}=int8/bf16", allow_unsummable_reduce_scatter=True)
-    sharder = _sharder(registry)
-    table = EmbeddingBagConfig(
-        name="t0", embedding_dim=dim, num_embeddings=rows, feature_names=["f0"]
-    )
-    ebc = EmbeddingBagCollection(tables=[table], device=torch.device("meta"))
-    plan = construct_module_sharding_plan(
-        ebc, {"t0": row_wise(compute_kernel="fused")}, sharder=sharder, local_size=world,
-        world_size=world, device_type=device.type,
-    )  # fmt: skip
-    model = DistributedModelParallel(
-        ebc, env=ShardingEnv.from_process_group(group), plan=ShardingPlan({"": plan}),
-        sharders=[sharder], device=device,
-    )  # fmt: skip
-    full = 1.0 + torch.arange(rows * dim, dtype=torch.float32).reshape(rows, dim) / (rows * dim)
-    with torch.no_grad():
-        for value in model.state_dict().values():
-            for shard in value.local_shards():
-                first, count = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
-                shard.tensor.copy_(full[first : first + count])
-    # Two ids per bag, far apart: every bag sums rows of more than one rank.
-    ids = (torch.arange(2 * bags) * (rows // 2) // bags + session.rank) % rows
-    sparse = KeyedJaggedTensor.from_lengths_sync(
-        keys=["f0"], values=ids, lengths=torch.full((bags,), 2)
-    )
-    try:
-        with torch.no_grad():
-            out = model(sparse.to(device)).values().cpu()
-    except Exception as err:
-        return f"{type(err).__name__}: {_first_line(str(err))}"
-    exact = full[ids].reshape(bags, 2, dim).sum(1)
-    error = float((out - exact).abs().max() / exact.abs().max())
-    # int8 with row-wise scales is off by well under 1%; a summed wire, by far more.
-    return None if error < 0.05 else f"its sums are off by {error:.2g} of their scale"
-
-
-def _refused(session: Session, config: BenchConfig) -> str | None:
-    # Why qcomm's exchange does not carry TorchRec's reduce-scatter (None: it does).
-    group = _group(session, config)
-    outcome, problem = agreed(session, lambda: _reduce_scatter_check(session, group))
-    if outcome is None:
-        return _first_line(problem)
-    reasons = [f"rank {rank}: {why}" for rank, why in enumerate(outcome) if why]
-    return reasons[0] if reasons else None
-
-
-def _first_line(text: str | None) -> str:
-    lines = (text or "").strip().splitlines()
-    return lines[0] if lines else "unknown error"
-
-
-_Row = TypeVar("_Row", bound=TrainRow)
-
-
-def _row(run: _Run, row: _Row) -> _Row:
-    # `row` with its series' timings.
-    if run.status == "ok" and run.samples:
-        row.step_s = statistics.median(run.samples)
-        row.step_min_s, row.step_max_s = min(run.samples), max(run.samples)
-        row.samples_s = list(run.samples)
-        row.spread = relative_spread(run.samples)
-    return row
-
-
-def _over(theirs: TrainRow | None, row: TrainRow) -> float | None:
-    # Their step over the row's, where both ran.
-    if theirs is None or theirs.step_s is None or row.step_s is None:
-        return None
-    return theirs.step_s / row.step_s
-
-
-def _add_figures(
-    rows: list[_Row],
-    losses: dict[str, list[float]],
-    baseline: str,
-    versus: Callable[[_Row, dict[str, _Row]], _Row | None],
-) -> list[float | None]:
-    # Speed-ups over the baseline series (`speedup`), communication shares,
-    # and losses with their gap to the baseline's, all in the same run.
-    # Returns each row's speed-up over its counterpart of `versus`, which the
-    # caller sets under its model's name.
-    ok = {r.label: r for r in rows if r.status == "ok"}
-    base, local = ok.get(baseline), ok.get(LOCAL)
-    out: list[float | None] = []
-    for r in rows:
-        out.append(_over(versus(r, ok), r) if r.status == "ok" else None)
-        if r.status != "ok":
-            continue
-        r.speedup = _over(base, r)
-        r.losses = losses[r.label]
-        if r.kind == "local":
-            continue  # each rank trained a model of its own: no loss to compare
-        if local is not None and local.step_s is not None and r.step_s is not None:
-            r.comm_share = comm_share(local.step_s, r.step_s)
-        r.loss = r.losses[-1]
-    for r in rows:
-        if r.loss is not None and base is not None and base.loss is not None:
-            r.loss_gap = r.loss - base.loss
-    return out
+def _refused() -> str | None:
+    # Why TorchRec's reduce-scatter with a qcomm codec would not run on
+    # qcomm's exchange (None: it would), as qcomm routes it; the exchange is
+    # installed first, as building the series' registries does.
+    torchrec_exchange.install()
+    route = torchrec_exchange.route(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
+    return None if route.transport == "qcomm" else route.reason
 
 
 def _torchrec_counterpart(row: DlrmRow, ok: dict[str, DlrmRow]) -> DlrmRow | None:
@@ -706,82 +454,160 @@ def _torchrec_counterpart(row: DlrmRow, ok: dict[str, DlrmRow]) -> DlrmRow | Non
     return next((r for r in ok.values() if r.kind == "torchrec" and r.pair == row.pair), None)
 
 
-def _meta(config: BenchConfig, session: Session, started: float, duration: float) -> dict[str, Any]:
-    return {
-        **run_meta(session, started, duration),
-        "rounds": config.rounds,
-        "timeout_s": config.timeout,
-        "seed": config.seed,
-        "link": config.link,
-        "link_gbps": config.link_gbps,
-        _TRANSPORT_ENV: os.environ.get(_TRANSPORT_ENV),
-        "command": config.command,
-    }
+# Models a rank of --train holds: a shard of each sharded series' model (8),
+# and the whole model of the reference series; the batches' activations and
+# gradients take a few dozen floats per sample and embedding column.
+_TRAIN_MODELS = 8
+_TRAIN_FLOATS_PER_ACTIVATION = 32
 
 
-def _run_rounds(
-    session: Session,
-    config: BenchConfig,
-    runs: list[_Run],
-    prepare: Callable[[], list[Any]],
-    build: Callable[[_Run], None],
-    step: _StepFn,
-) -> dict[str, list[float]] | None:
-    # Every series of `runs` built (`build`), warmed up and timed in
-    # interleaved rounds on this rank's batches (`prepare`); on rank 0 the
-    # loss of every step of every series that ran, else None.
-    blocks = _round_steps(config)
-    progress = Progress(session.rank == 0, 1 + 2 * len(runs) + len(blocks))
-    try:
-        begin(session, progress, "batches")
-        batches = prepare()
-        progress.done()
-        for run in runs:
-            begin(session, progress, f"{run.series.label}: build")
-            build(run)
-            progress.done()
-        for run in runs:
-            begin(session, progress, f"{run.series.label}: warm-up")
-            if run.status == "ok":
-                _block(session, run, batches, TRAIN_WARM_UP_STEPS, step)
-            progress.done()
-        # Rounds: every series takes its turn in each, so that a slow spell
-        # of a shared machine falls on all of them alike, in an order drawn
-        # from the seed (the same on every rank): a series always run after
-        # the same one would pay for what that one leaves behind (caches).
-        for r, steps in enumerate(blocks):
-            begin(session, progress, f"round {r + 1}/{len(blocks)}")
-            order = list(runs)
-            random.Random(config.seed + r).shuffle(order)
-            for run in order:
-                seconds = _block(session, run, batches, steps, step) if run.status == "ok" else None
-                if seconds is not None:
-                    run.samples.append(seconds)
-            progress.done()
-        ok = [run for run in runs if run.status == "ok"]
-        gathered = session.gather({run.series.label: [float(x) for x in run.losses] for run in ok})
-    finally:
-        progress.close()
-    if session.rank != 0:
-        return None
-    # The loss of a step: the mean of every rank's, each on its own batch.
-    return {
-        label: [
-            sum(rank[label][i] for rank in gathered) / len(gathered) for i in range(len(values))
+class Dlrm:
+    r"""
+    TorchRec's DLRM as a model of the ``--train`` harness
+    (:class:`~qcomm.benchmark.harness.TrainModel`): sharded by
+    ``DistributedModelParallel``, one series per configuration of codecs
+    (:func:`train_series`). One per run: it keeps whether TorchRec's
+    reduce-scatter runs on qcomm's exchange.
+    """
+
+    def __init__(self) -> None:
+        # Why qcomm's exchange does not carry TorchRec's reduce-scatter (None: it does).
+        self.refused: str | None = None
+
+    def series(self, config: BenchConfig) -> list[TrainSeries]:
+        r"""
+        series(config: BenchConfig) -> list[TrainSeries]
+
+        The run's series (:func:`train_series`).
+
+        Args:
+            config (BenchConfig): the run's settings.
+        """
+        return train_series(config)
+
+    def memory(self, config: BenchConfig) -> MemoryEstimate:
+        r"""
+        memory(config: BenchConfig) -> MemoryEstimate
+
+        The tables of the sharded and the reference models, and the activations.
+
+        Args:
+            config (BenchConfig): the run's settings.
+        """
+        columns = config.train_tables * config.train_dim
+        tables = 4 * ROWS * columns * (_TRAIN_MODELS / config.world_size + 1)
+        activations = (
+            4 * _TRAIN_FLOATS_PER_ACTIVATION * config.world_size * config.train_batch * columns
+        )
+        return MemoryEstimate(
+            tables + activations,
+            "--train-tables, --train-dim, --train-batch",
+            f"{config.train_tables} tables of dimension {config.train_dim} and a batch of "
+            f"{config.train_batch}",
+        )
+
+    def prepare(self, session: Session, config: BenchConfig, runs: list[Run]) -> list[Any]:
+        r"""
+        prepare(session: Session, config: BenchConfig, runs: list[Run]) -> list[Any]
+
+        This rank's batches; where a series needs it, how TorchRec's reduce-scatter runs.
+
+        Args:
+            session (Session): this rank's device and process groups.
+            config (BenchConfig): the run's settings.
+            runs (list[Run]): every series of the run.
+        """
+        batches = _batches(config, session.rank, session.device)
+        if any(run.series.unsummable_reduce_scatter for run in runs):
+            self.refused = _refused()
+        return batches
+
+    def build(self, session: Session, config: BenchConfig, run: Run) -> None:
+        r"""
+        build(session: Session, config: BenchConfig, run: Run) -> None
+
+        Builds a series' sharded model (or the reference's), or skips it.
+
+        Args:
+            session (Session): this rank's device and process groups.
+            config (BenchConfig): the run's settings.
+            run (Run): the series.
+        """
+        _build(session, config, run, self.refused)
+
+    def step(self, run: Run, batch: Any) -> torch.Tensor:
+        r"""
+        step(run: Run, batch: Any) -> Tensor
+
+        A step: forward, BCE loss, backward (the tables' optimizer steps in it), SGD.
+
+        Args:
+            run (Run): the series.
+            batch (Any): this step's batch, one of those ``prepare`` made.
+        """
+        return _dlrm_step(run, batch)
+
+    def results(
+        self, config: BenchConfig, runs: list[Run], losses: dict[str, list[float]]
+    ) -> DlrmTrain:
+        r"""
+        results(config: BenchConfig, runs: list[Run], losses: dict[str, list[float]]) -> DlrmTrain
+
+        The model, the advice's pick, the reduce-scatter's route and the rows.
+
+        Args:
+            config (BenchConfig): the run's settings.
+            runs (list[Run]): every series of the run.
+            losses (dict[str, list[float]]): every step's loss of each series that ran, mean over ranks.
+        """
+        rows = [
+            timed_row(
+                run,
+                DlrmRow(
+                    label=run.series.label,
+                    kind=run.series.kind,
+                    pair=run.series.pair,
+                    registry=run.series.registry,
+                    ddp_hook=f"{run.series.dense}+ef" if run.series.dense else None,
+                    torchrec_transport=run.series.torchrec_transport,
+                    status=run.status,
+                    error=run.error,
+                ),
+            )
+            for run in runs
         ]
-        for label, values in gathered[0].items()
-    }
+        for row, ratio in zip(rows, add_figures(rows, losses, "fp32", _torchrec_counterpart)):
+            row.vs_torchrec = ratio
+        gbps = link_gbps(config)
+        model = DlrmModel(
+            tables=config.train_tables,
+            table_wise=table_wise_count(config),
+            row_wise=config.train_tables - table_wise_count(config),
+            rows=ROWS,
+            dim=config.train_dim,
+            batch_per_rank=config.train_batch,
+            dense_features=DENSE_FEATURES,
+            ids_per_bag=[1, MAX_IDS],
+            learning_rate=LEARNING_RATE,
+            steps=config.train_steps,
+            warm_up_steps=TRAIN_WARM_UP_STEPS,
+            steps_per_round=round_steps(config),
+        )
+        return DlrmTrain(
+            model=model,
+            advice=TrainPick(gbit_per_s=gbps, registry=advice_pick(gbps)),
+            reduce_scatter_on_qcomm=self.refused is None,
+            reduce_scatter_refused=self.refused,
+            series=rows,
+        )
 
 
 def run_train(config: BenchConfig, session: Session) -> int:
     r"""
     run_train(config: BenchConfig, session: Session) -> int
 
-    Runs ``qcomm bench --train`` on this rank: builds every series' model,
-    trains each for :data:`~qcomm.benchmark.options.TRAIN_WARM_UP_STEPS`
-    untimed steps, then for the rest of ``config.train_steps`` in
-    ``config.rounds`` rounds in which the series take turns; rank 0 then
-    prints the table and writes the JSON.
+    Runs ``qcomm bench --train`` of the DLRM on this rank
+    (:func:`~qcomm.benchmark.harness.run_model` of a :class:`Dlrm`).
 
     Args:
         config (BenchConfig): the run's settings.
@@ -791,89 +617,4 @@ def run_train(config: BenchConfig, session: Session) -> int:
         int: ``0``, or on rank 0 :data:`~qcomm.benchmark.session.EXIT_CODEC_FAILED`
         when a qcomm series failed.
     """
-    started, clock = time.time(), time.perf_counter()
-    runs = [_Run(s) for s in train_series(config)]
-    load_before = load()
-    refused: str | None = None
-
-    def prepare() -> list[_Batch]:
-        nonlocal refused
-        batches = _batches(config, session.rank, session.device)
-        if any(run.series.unsummable_reduce_scatter for run in runs):
-            refused = _refused(session, config)
-        return batches
-
-    losses = _run_rounds(
-        session,
-        config,
-        runs,
-        prepare,
-        lambda run: _build(session, config, run, refused),
-        _dlrm_step,
-    )
-    if losses is None:
-        return 0
-    rows = [
-        _row(
-            run,
-            DlrmRow(
-                label=run.series.label,
-                kind=run.series.kind,
-                pair=run.series.pair,
-                registry=run.series.registry,
-                ddp_hook=f"{run.series.dense}+ef" if run.series.dense else None,
-                torchrec_transport=run.series.torchrec_transport,
-                status=run.status,
-                error=run.error,
-            ),
-        )
-        for run in runs
-    ]
-    for row, ratio in zip(rows, _add_figures(rows, losses, "fp32", _torchrec_counterpart)):
-        row.vs_torchrec = ratio
-    gbps = link_gbps(config)
-    train = {
-        "model": {
-            "name": "dlrm",
-            "tables": config.train_tables,
-            "table_wise": table_wise_count(config),
-            "row_wise": config.train_tables - table_wise_count(config),
-            "rows": ROWS,
-            "dim": config.train_dim,
-            "batch_per_rank": config.train_batch,
-            "dense_features": DENSE_FEATURES,
-            "ids_per_bag": [1, MAX_IDS],
-            "learning_rate": LEARNING_RATE,
-            "steps": config.train_steps,
-            "warm_up_steps": TRAIN_WARM_UP_STEPS,
-            "steps_per_round": _round_steps(config),
-        },
-        "advice": {"gbit_per_s": gbps, "registry": advice_pick(gbps)},
-        "reduce_scatter_on_qcomm": refused is None,
-        "reduce_scatter_refused": refused,
-        "series": rows,
-    }
-    return _report(config, session, started, clock, load_before, train)
-
-
-def _report(
-    config: BenchConfig,
-    session: Session,
-    started: float,
-    clock: float,
-    load_before: Any,
-    train: dict[str, Any],
-) -> int:
-    """Writes a --train run's report (rank 0 prints it) and returns its exit
-    code; ``started`` and ``clock`` are the run's ``time.time()`` and
-    ``time.perf_counter()`` at its start, ``train`` the model and the rows."""
-    meta = _meta(config, session, started, time.perf_counter() - clock)
-    meta.update(load_before=load_before, load_after=load())
-    results = {
-        "meta": meta,
-        "link": {"spec": config.link, "rate_bps": parse_rate(config.link)} if config.link else None,
-        "train": train,
-    }
-    write_report(results, json_path=config.json_path)
-    failed = any(r.status == "failed" and r.kind == "qcomm" for r in train["series"])
-    return EXIT_CODEC_FAILED if failed else 0
+    return run_model(Dlrm(), config, session)

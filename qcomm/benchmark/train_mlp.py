@@ -10,32 +10,32 @@ and waited for; the rounds, timing and figures are those of
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
 
 import qcomm
 from qcomm.benchmark.agreement import agreed_here
-from qcomm.benchmark.meta import load
+from qcomm.benchmark.harness import (
+    LOCAL,
+    MemoryEstimate,
+    Run,
+    TrainSeries,
+    add_figures,
+    round_steps,
+    run_model,
+    series_group,
+    timed_row,
+)
 from qcomm.benchmark.options import TRAIN_WARM_UP_STEPS, BenchConfig
+from qcomm.benchmark.results import MlpModel, MlpTrain
 from qcomm.benchmark.rows import MlpRow
 from qcomm.benchmark.session import Session
-from qcomm.benchmark.train import (
-    LOCAL,
-    TrainSeries,
-    _add_figures,
-    _group,
-    _report,
-    _round_steps,
-    _row,
-    _Run,
-    _run_rounds,
-)
 
 __all__ = [
     "DEFAULT_HOOK",
     "FP16_HOOK",
+    "Mlp",
     "OUTPUTS",
     "QCOMM_HOOK",
     "QCOMM_BY_HOST",
@@ -182,8 +182,8 @@ def _model(
     return model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
 
 
-def _build(session: Session, config: BenchConfig, run: _Run) -> None:
-    group = None if run.series.kind == "local" else _group(session, config)
+def _build(session: Session, config: BenchConfig, run: Run) -> None:
+    group = None if run.series.kind == "local" else series_group(session, config)
     built, problem = agreed_here(session, lambda: _model(run.series, config, group, session.device))
     if built is None:
         run.status, run.error = "failed", problem
@@ -191,7 +191,7 @@ def _build(session: Session, config: BenchConfig, run: _Run) -> None:
         run.model, run.optimizer = built
 
 
-def _mlp_step(run: _Run, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _mlp_step(run: Run, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     inputs, targets = batch
     loss = torch.nn.functional.mse_loss(run.model(inputs), targets)
     run.optimizer.zero_grad()
@@ -212,15 +212,147 @@ def _fp16_hook(row: MlpRow, ok: dict[str, MlpRow]) -> MlpRow | None:
     return ok.get(FP16_HOOK)
 
 
+# Copies of the MLP's parameters a rank of --train-model mlp holds: weights,
+# gradients and DDP's buckets of its 4 DDP series, the qcomm series' residuals
+# and codec buffers, the reference's weights and gradients, and what the
+# allocator keeps (up to 3.7 GB a rank measured at 8 layers of 2048: 27 copies).
+_MLP_COPIES = 28
+# Floats per sample and layer width of a step: what the forward keeps for the
+# backward, their gradients, and the allocator's cache (2.2 GB a rank measured
+# at 8 layers of 512 and a batch of 8192).
+_MLP_FLOATS_PER_ACTIVATION = 12
+
+
+class Mlp:
+    r"""
+    The MLP under ``DistributedDataParallel`` as a model of the ``--train``
+    harness (:class:`~qcomm.benchmark.harness.TrainModel`): one series per
+    communication hook (:func:`mlp_series`).
+    """
+
+    def series(self, config: BenchConfig) -> list[TrainSeries]:
+        r"""
+        series(config: BenchConfig) -> list[TrainSeries]
+
+        The run's series (:func:`mlp_series`).
+
+        Args:
+            config (BenchConfig): the run's settings.
+        """
+        return mlp_series(config.ranks_per_host)
+
+    def memory(self, config: BenchConfig) -> MemoryEstimate:
+        r"""
+        memory(config: BenchConfig) -> MemoryEstimate
+
+        The parameters' copies, the batches and the activations.
+
+        Args:
+            config (BenchConfig): the run's settings.
+        """
+        layers, width, batch = config.train_layers, config.train_width, config.train_batch
+        floats = (
+            _MLP_COPIES * mlp_parameters(layers, width)
+            + config.train_steps * batch * (width + OUTPUTS)
+            + _MLP_FLOATS_PER_ACTIVATION * batch * width * (layers + 1)
+        )
+        return MemoryEstimate(
+            4.0 * floats,
+            "--train-layers, --train-width, --train-batch, --train-steps",
+            f"{layers} layers of {width} and {config.train_steps} batches of {batch}",
+        )
+
+    def prepare(
+        self, session: Session, config: BenchConfig, runs: list[Run]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        r"""
+        prepare(session: Session, config: BenchConfig, runs: list[Run]) -> list[Any]
+
+        This rank's inputs and targets of every step.
+
+        Args:
+            session (Session): this rank's device and process groups.
+            config (BenchConfig): the run's settings.
+            runs (list[Run]): every series of the run.
+        """
+        return _batches(config, session.rank, session.device)
+
+    def build(self, session: Session, config: BenchConfig, run: Run) -> None:
+        r"""
+        build(session: Session, config: BenchConfig, run: Run) -> None
+
+        Builds a series' MLP under DDP with its hook (the reference's alone).
+
+        Args:
+            session (Session): this rank's device and process groups.
+            config (BenchConfig): the run's settings.
+            run (Run): the series.
+        """
+        _build(session, config, run)
+
+    def step(self, run: Run, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        r"""
+        step(run: Run, batch: Any) -> Tensor
+
+        A step: forward, MSE loss, backward (DDP's all-reduce in it), SGD.
+
+        Args:
+            run (Run): the series.
+            batch (Any): this step's batch, one of those ``prepare`` made.
+        """
+        return _mlp_step(run, batch)
+
+    def results(
+        self, config: BenchConfig, runs: list[Run], losses: dict[str, list[float]]
+    ) -> MlpTrain:
+        r"""
+        results(config: BenchConfig, runs: list[Run], losses: dict[str, list[float]]) -> MlpTrain
+
+        The model and the rows.
+
+        Args:
+            config (BenchConfig): the run's settings.
+            runs (list[Run]): every series of the run.
+            losses (dict[str, list[float]]): every step's loss of each series that ran, mean over ranks.
+        """
+        rows = [
+            timed_row(
+                run,
+                MlpRow(
+                    label=run.series.label,
+                    kind=run.series.kind,
+                    ddp_hook=_hook_name(run.series),
+                    status=run.status,
+                    error=run.error,
+                ),
+            )
+            for run in runs
+        ]
+        for row, ratio in zip(rows, add_figures(rows, losses, DEFAULT_HOOK, _fp16_hook)):
+            row.vs_fp16_hook = ratio
+        parameters = mlp_parameters(config.train_layers, config.train_width)
+        model = MlpModel(
+            layers=config.train_layers,
+            width=config.train_width,
+            outputs=OUTPUTS,
+            parameters=parameters,
+            gradient_bytes=4 * parameters,
+            batch_per_rank=config.train_batch,
+            learning_rate=LEARNING_RATE,
+            steps=config.train_steps,
+            warm_up_steps=TRAIN_WARM_UP_STEPS,
+            steps_per_round=round_steps(config),
+        )
+        return MlpTrain(model=model, series=rows)
+
+
 def run_train_mlp(config: BenchConfig, session: Session) -> int:
     r"""
     run_train_mlp(config: BenchConfig, session: Session) -> int
 
-    Runs ``qcomm bench --train --train-model mlp`` on this rank, as
-    :func:`~qcomm.benchmark.train.run_train` runs the DLRM: builds every
-    series' model, warms each up, times the rest of ``config.train_steps``
-    in ``config.rounds`` interleaved rounds; rank 0 then prints the table
-    and writes the JSON.
+    Runs ``qcomm bench --train --train-model mlp`` on this rank
+    (:func:`~qcomm.benchmark.harness.run_model` of an :class:`Mlp`), as
+    :func:`~qcomm.benchmark.train.run_train` runs the DLRM.
 
     Args:
         config (BenchConfig): the run's settings.
@@ -230,49 +362,4 @@ def run_train_mlp(config: BenchConfig, session: Session) -> int:
         int: ``0``, or on rank 0 :data:`~qcomm.benchmark.session.EXIT_CODEC_FAILED`
         when a qcomm series failed.
     """
-    started, clock = time.time(), time.perf_counter()
-    runs = [_Run(s) for s in mlp_series(config.ranks_per_host)]
-    load_before = load()
-    losses = _run_rounds(
-        session,
-        config,
-        runs,
-        lambda: _batches(config, session.rank, session.device),
-        lambda run: _build(session, config, run),
-        _mlp_step,
-    )
-    if losses is None:
-        return 0
-    rows = [
-        _row(
-            run,
-            MlpRow(
-                label=run.series.label,
-                kind=run.series.kind,
-                ddp_hook=_hook_name(run.series),
-                status=run.status,
-                error=run.error,
-            ),
-        )
-        for run in runs
-    ]
-    for row, ratio in zip(rows, _add_figures(rows, losses, DEFAULT_HOOK, _fp16_hook)):
-        row.vs_fp16_hook = ratio
-    parameters = mlp_parameters(config.train_layers, config.train_width)
-    train = {
-        "model": {
-            "name": "mlp",
-            "layers": config.train_layers,
-            "width": config.train_width,
-            "outputs": OUTPUTS,
-            "parameters": parameters,
-            "gradient_bytes": 4 * parameters,
-            "batch_per_rank": config.train_batch,
-            "learning_rate": LEARNING_RATE,
-            "steps": config.train_steps,
-            "warm_up_steps": TRAIN_WARM_UP_STEPS,
-            "steps_per_round": _round_steps(config),
-        },
-        "series": rows,
-    }
-    return _report(config, session, started, clock, load_before, train)
+    return run_model(Mlp(), config, session)

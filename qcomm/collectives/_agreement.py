@@ -18,7 +18,6 @@ group's timeout rather than hang. When the check runs is set by
 from __future__ import annotations
 
 import json
-import os
 import weakref
 from types import TracebackType
 from typing import Any
@@ -26,13 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qcomm import config
 from qcomm.collectives import _backends, _transport
 from qcomm.collectives._describe import describe_codec, hash64
 from qcomm.collectives._disagreement import disagreement, unmatched_splits
 from qcomm.collectives._hosts import ByHost
 from qcomm.types import CodecError
 
-ENV = "QCOMM_VERIFY"
 # Bumped whenever the layout below changes, so that ranks running different
 # qcomm versions are told so instead of misreading each other.
 _PROTOCOL = 3
@@ -56,14 +55,9 @@ _verified: weakref.WeakKeyDictionary[dist.ProcessGroup, set[str]] = weakref.Weak
 
 
 def mode() -> str:
-    """``"first"`` (unset or empty), ``"always"`` (``1``) or ``"never"`` (``0``), from ``QCOMM_VERIFY``."""
-    raw = os.environ.get(ENV, "").strip()
-    if raw in ("", "0", "1"):
-        return {"": "first", "0": "never", "1": "always"}[raw]
-    raise ValueError(
-        f"{ENV}: expected '1' (check that ranks agree on every call), '0' (never) or "
-        f"unset (the first call of each collective on each process group), got {raw!r}"
-    )
+    """``"first"``, ``"always"`` or ``"never"``: the settings' ``verify`` (``QCOMM_VERIFY``)."""
+    how: str = config._read("verify")[0]
+    return how
 
 
 def safe_mode() -> str:
@@ -228,14 +222,15 @@ class Agreement:
         if len({row[4] for row in table}) > 1:
             # Ranks that verify on different calls fall out of step; say so
             # while they still meet (every call, as none is marked verified).
+            verify = config.VARIABLES["verify"]
             modes = "; ".join(
-                f"rank {r}: {ENV}={'1' if _MODES[row[4]] == 'always' else 'unset'}"
+                f"rank {r}: {verify}={'1' if _MODES[row[4]] == 'always' else 'unset'}"
                 for r, row in enumerate(table)
             )
-            return f"{call}: the ranks run with different {ENV} ({modes}); set it alike on all"
+            return f"{call}: the ranks run with different {verify} ({modes}); set it alike on all"
         if len({row[5] for row in table}) > 1:
             said = "; ".join(
-                f"rank {r}: {_transport.ENV}={_TRANSPORTS[row[5]] or 'unset'}"
+                f"rank {r}: {config.VARIABLES['transport']}={_TRANSPORTS[row[5]] or 'unset'}"
                 for r, row in enumerate(table)
             )
             return f"{call}: the ranks force different transports ({said}); set it alike on all"

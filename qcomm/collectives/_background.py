@@ -21,21 +21,18 @@ active exception").
 
 from __future__ import annotations
 
-import math
-import os
 import queue
 import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from qcomm import _events
+from qcomm import _events, config
 
-__all__ = ["EXIT_TIMEOUT_ENV", "close", "drop", "exit_timeout", "later"]
+__all__ = ["close", "drop", "exit_timeout", "later"]
 
 T = TypeVar("T")
 
-EXIT_TIMEOUT_ENV = "QCOMM_EXIT_TIMEOUT"
 _EXIT_TIMEOUT = 10.0
 
 _jobs: queue.SimpleQueue[_Job[Any] | None] = queue.SimpleQueue()
@@ -120,21 +117,16 @@ def drop(finish: Callable[[], object]) -> None:
 
 def exit_timeout() -> float:
     """
-    Seconds the process waits at exit for its calls in flight: ``QCOMM_EXIT_TIMEOUT``,
-    or 10; a value that is no number of seconds is warned of, and 10 is used.
+    Seconds the process waits at exit for its calls in flight: the settings'
+    ``exit_timeout`` (``QCOMM_EXIT_TIMEOUT``, or 10); a variable that is no
+    number of seconds is warned of, and 10 is used.
     """
-    raw = os.environ.get(EXIT_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return _EXIT_TIMEOUT
     try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not (math.isfinite(seconds) and seconds >= 0):
+        seconds: float = config._read("exit_timeout")[0]
+    except ValueError as err:
         # Raised at exit it would only be printed, and nothing waited for.
         warnings.warn(
-            f"{EXIT_TIMEOUT_ENV}: expected a finite number of seconds >= 0, got {raw!r}; "
-            f"waiting {_EXIT_TIMEOUT:g} s for the calls in flight",
+            f"{err}; waiting {_EXIT_TIMEOUT:g} s for the calls in flight",
             stacklevel=2,
         )
         return _EXIT_TIMEOUT

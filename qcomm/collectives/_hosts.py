@@ -3,10 +3,11 @@ Which ranks share a host, and the codec each peer takes under a
 :class:`~qcomm.HostCodecs`: the same-host codec for a peer on this rank's
 host, the other-host codec for the rest (docs/topology.rst).
 
-A group's hosts come from, in order: the policy's ``ranks_per_host``,
-``QCOMM_RANKS_PER_HOST``, torchrun's ``LOCAL_WORLD_SIZE`` (ranks numbered
+A group's hosts come from, in order: the policy's ``ranks_per_host``, the
+setting ``ranks_per_host`` (:mod:`qcomm.config`: set in code,
+``QCOMM_RANKS_PER_HOST`` or torchrun's ``LOCAL_WORLD_SIZE``; ranks numbered
 host by host, as torchrun does), or else the ranks' host names, exchanged
-once per group. The first three are read on each rank alone, so the ranks
+once per group. The first two are read on each rank alone, so the ranks
 compare them in their agreement check; the host names are the same table on
 every rank.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import socket
 import weakref
 from typing import Any
@@ -23,10 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qcomm import config
 from qcomm.collectives import _backends
-
-ENV = "QCOMM_RANKS_PER_HOST"
-_TORCHRUN = "LOCAL_WORLD_SIZE"
 
 # Host names learned by exchange, by group: the host index of every rank.
 _by_name: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, ...]] = (
@@ -34,31 +32,18 @@ _by_name: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, ...]] = (
 )
 
 
-def _positive(raw: str, name: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{name}: expected a positive number of ranks per host, got {raw!r}")
-    return value
-
-
 def ranks_per_host(given: int | None) -> tuple[int | None, str]:
     """
     Ranks per host as this rank reads them (``None``: learn the host names),
-    and where from: ``given`` (the policy's), ``QCOMM_RANKS_PER_HOST``, or
-    torchrun's ``LOCAL_WORLD_SIZE``.
+    and where from: ``given`` (the policy's), or the settings' (set in code,
+    ``QCOMM_RANKS_PER_HOST`` or torchrun's ``LOCAL_WORLD_SIZE``).
     """
     if given is not None:
         return given, "ranks_per_host"
-    raw = os.environ.get(ENV, "").strip()
-    if raw:
-        return _positive(raw, ENV), ENV
-    raw = os.environ.get(_TORCHRUN, "").strip()
-    if raw:
-        return _positive(raw, _TORCHRUN), _TORCHRUN
-    return None, "host names"
+    value, where = config._read("ranks_per_host")
+    if value is None:
+        return None, "host names"
+    return value, where
 
 
 @dataclasses.dataclass(frozen=True)

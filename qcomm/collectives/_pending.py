@@ -135,7 +135,7 @@ def _at_exit() -> None:
     if not _background.close(timeout):
         warnings.warn(
             f"qcomm: calls in flight at exit not done after {timeout:g} s "
-            f"({_background.EXIT_TIMEOUT_ENV}), given up on: a peer has not sent its part",
+            f"(qcomm.config exit_timeout, QCOMM_EXIT_TIMEOUT), given up on: a peer has not sent its part",
             RuntimeWarning,
             stacklevel=1,
         )

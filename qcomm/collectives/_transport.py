@@ -11,14 +11,14 @@ match in order, as gloo keeps the order of messages between two ranks with one
 tag. :class:`OneAllToAll` (NCCL, any other backend) runs the backend's
 all-to-all once per call. Why: docs/collectives.rst, "Pipelined, full duplex".
 
-``QCOMM_TRANSPORT`` forces one of them (``all_to_all`` runs NCCL's transport
-over gloo on CPU, which is how the tests cover it without a GPU); it must be
-the same on every rank, and the agreement check says so when it is not.
+The setting ``transport`` (:mod:`qcomm.config`, ``QCOMM_TRANSPORT``) forces
+one of them (``all_to_all`` runs NCCL's transport over gloo on CPU, which is
+how the tests cover it without a GPU); it must be the same on every rank,
+and the agreement check says so when it is not.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any
 
@@ -26,12 +26,11 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from qcomm import _events
+from qcomm import _events, config
 from qcomm.collectives import _buffers, _streams
 from qcomm.collectives._backends import Backend
 
-ENV = "QCOMM_TRANSPORT"
-CHOICES = ("point_to_point", "all_to_all")
+CHOICES = config.TRANSPORTS
 
 # Every call on a group gets a number of its own, counted alike on every rank
 # (the ranks make the same calls in the same order). On point-to-point it is
@@ -52,24 +51,18 @@ _ALIGN = 64
 
 
 def choice() -> str | None:
-    """The transport ``QCOMM_TRANSPORT`` forces, or ``None`` (unset or ``auto``: the backend's own)."""
-    raw = os.environ.get(ENV, "").strip().lower()
-    if raw in ("", "auto"):
-        return None
-    if raw in CHOICES:
-        return raw
-    raise ValueError(
-        f"{ENV}: expected 'all_to_all' (one all-to-all per call, NCCL's transport), "
-        f"'point_to_point' (gloo on CPU only) or unset/'auto' (each backend's own), got {raw!r}"
-    )
+    """The transport the settings force, or ``None`` (``auto``: the backend's own)."""
+    forced: str = config._read("transport")[0]
+    return None if forced == "auto" else forced
 
 
 def kind(group: dist.ProcessGroup, backend: Backend) -> str:
     """The transport a call on ``group`` takes with ``backend``: one of :data:`CHOICES`."""
     forced = choice()
     if forced == "point_to_point" and not backend.moves_alone:
+        where = config._read("transport")[1]
         raise ValueError(
-            f"{ENV}=point_to_point: expected gloo with CPU tensors, got backend "
+            f"{where}=point_to_point: expected gloo with CPU tensors, got backend "
             f"{dist.get_backend(group)} with tensors on {backend.device}"
         )
     if forced is not None:

@@ -577,12 +577,12 @@ def test_figures_survive_an_output_that_fails_at_the_end(monkeypatch, tmp_path, 
     gone.mkdir()
     target = gone / "out.json"
     gone.rmdir()  # removed while the run went on
-    report.write_report({"answer": 42}, json_path=str(target))
+    report.write_report({"meta": {"host": "42"}}, json_path=str(target))
     captured = capsys.readouterr()
     assert captured.out.startswith("TABLE")
     fallback = re.search(r"written to (\S+) instead", captured.err)
     assert fallback and str(target) in captured.err
-    assert json.loads(pathlib.Path(fallback.group(1)).read_text())["answer"] == 42
+    assert json.loads(pathlib.Path(fallback.group(1)).read_text())["meta"]["host"] == "42"
     pathlib.Path(fallback.group(1)).unlink()
 
 
@@ -599,8 +599,8 @@ def test_a_dangling_link_as_output_is_written_through_at_the_end(monkeypatch, tm
     assert link.is_symlink() and not target.exists()
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["out.json", "real"]
     monkeypatch.setattr(report, "format_report", lambda results: "TABLE")
-    report.write_report({"answer": 42}, json_path=config.json_path)
-    assert link.is_symlink() and json.loads(target.read_text())["answer"] == 42
+    report.write_report({"meta": {"host": "42"}}, json_path=config.json_path)
+    assert link.is_symlink() and json.loads(target.read_text())["meta"]["host"] == "42"
     # A link into a folder that does not exist is refused, and left as it was.
     nowhere = tmp_path / "nowhere.json"
     nowhere.symlink_to(tmp_path / "gone" / "figures.json")
@@ -622,3 +622,21 @@ def test_a_block_that_does_not_divide_the_codec_tensor_fails_in_its_row(tmp_path
         assert rows[spec]["status"] == "failed" and "16384 inputs" in rows[spec]["error"]
         point = next(p for p in results["collectives"] if p["codec"] == spec)
         assert point["status"] == "ok" and point["break_even_gbit_per_s"] is None
+
+
+def test_the_json_reads_back_as_typed_results_and_writes_the_same_text(quick_run):
+    from qcomm.benchmark.results import BenchMeta, Results, RunAdvice
+
+    results = quick_run[2]
+    typed = Results.of(results)
+    assert isinstance(typed.meta, BenchMeta) and isinstance(typed.advice, RunAdvice)
+    assert (
+        typed.roofline is not None and typed.roofline.copy_GBps == results["roofline"]["copy_GBps"]
+    )
+    assert [r.codec for r in typed.codecs or []] == [r["codec"] for r in results["codecs"]]
+    assert len(typed.collectives or []) == len(results["collectives"])
+    assert [rate.registry for rate in typed.advice.rates] == [
+        rate["registry"] for rate in results["advice"]["rates"]
+    ]
+    again = jsonable({**typed.to_json(), "units": results["units"]})
+    assert json.dumps(again) == json.dumps(results)  # same keys, same order, same values

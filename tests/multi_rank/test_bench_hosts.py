@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from qcomm import config
 from qcomm.benchmark.advice import is_noise, pair_spec
 from qcomm.benchmark.candidates import crossing_elements, measure_codec, measure_host_codecs
 from qcomm.benchmark.command import config_from_args
@@ -28,7 +29,6 @@ from qcomm.benchmark.rows import CodecRow, Point
 from qcomm.benchmark.session import RANKS_PER_HOST_ENV
 from qcomm.cli import build_parser
 from qcomm.cli import main as cli_main
-from qcomm.collectives import _hosts
 from qcomm.errors import CodecError
 from qcomm.registry import load_pair
 from qcomm.types import HostCodecs
@@ -37,6 +37,10 @@ POLICY = "same_host=noop+other_host=int8"
 
 
 def _config(*argv: str) -> BenchConfig:
+    # The tests change the environment between calls; a process reads it once.
+    from qcomm import config
+
+    config._reread()
     return config_from_args(build_parser().parse_args(["bench", *argv]))
 
 
@@ -88,7 +92,7 @@ def test_under_a_launcher_its_layout_is_read_as_qcomm_reads_it(
     monkeypatch.setenv(RANKS_PER_HOST_ENV, "8")  # one host: nothing crosses, no host model
     assert _config().ranks_per_host is None
     # The variable the ranks are told is the one qcomm's collectives read.
-    assert RANKS_PER_HOST_ENV == _hosts.ENV
+    assert RANKS_PER_HOST_ENV == config.VARIABLES["ranks_per_host"]
 
 
 def test_codecs_by_host_are_one_candidate_each(no_launcher: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 import qcomm
 from qcomm.benchmark.command import config_from_args
+from qcomm.benchmark.harness import LOCAL
 from qcomm.benchmark.launch import spawn_local
 from qcomm.benchmark.options import (
     TRAIN_DEFAULTS,
@@ -21,7 +22,6 @@ from qcomm.benchmark.options import (
     TRAIN_WARM_UP_STEPS,
     BenchConfig,
 )
-from qcomm.benchmark.train import LOCAL
 from qcomm.benchmark.train_mlp import (
     DEFAULT_HOOK,
     FP16_HOOK,
@@ -204,3 +204,15 @@ def test_mlp_refuses_what_it_would_ignore(option: list[str]) -> None:
     with pytest.raises(ValueError, match=f"{option[0]}: applies to the collectives"):
         _config("--train", "--train-model", "mlp", *option)
     _config("--train", *option)  # the DLRM takes them
+
+
+def test_the_json_reads_back_as_typed_results_and_writes_the_same_text(smoke):
+    from qcomm.benchmark.report import jsonable
+    from qcomm.benchmark.results import MlpTrain, Results
+
+    results = smoke[2]
+    typed = Results.of(results)
+    assert isinstance(typed.train, MlpTrain) and typed.mlp
+    assert typed.train.model.parameters == results["train"]["model"]["parameters"]
+    again = jsonable({**typed.to_json(), "units": results["units"]})
+    assert json.dumps(again) == json.dumps(results)

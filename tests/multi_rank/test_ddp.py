@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import pickle
 import threading
 import time
@@ -45,7 +44,7 @@ from dist_utils import TRANSPORTS, Outcome, check_case, outcomes_per_world_size,
 
 import qcomm
 import qcomm.cli
-from qcomm import CodecError, CodecInfo
+from qcomm import CodecError, CodecInfo, config
 from qcomm.collectives.all_reduce import Residuals, all_reduce, layout
 from qcomm.ddp import DDPCommHookState, all_reduce_hook
 
@@ -400,13 +399,10 @@ def case_disagreement(rank: int, world: int) -> None:
     # every rank raises, none waits.
     spec = "fp16" if rank == 0 else "int8"
     state, hook = qcomm.ddp_comm_hook(spec)
-    os.environ["QCOMM_VERIFY"] = "1"
-    try:
+    with config.configured(verify="always"):
         future = hook(state, Bucket(torch.ones(100)))
         with pytest.raises(CodecError):
             future.wait()
-    finally:
-        del os.environ["QCOMM_VERIFY"]
     # The group stays usable.
     state, hook = qcomm.ddp_comm_hook("int8")
     got = hook(state, Bucket(torch.full((100,), float(rank)))).wait()

@@ -41,13 +41,12 @@ from three_ranks import (
 )
 
 import qcomm
-import qcomm.collectives._transport as qtransport
-from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
+from qcomm import CodecError, CodecInfo, QuantizedCommCodecs, config
 
 
 def forced_transport() -> str:
     """The transport the spawn forces (``QCOMM_TRANSPORT``)."""
-    return os.environ[qtransport.ENV]
+    return config.get().transport
 
 
 class DecodeFailsOnLastRank(ForeignIdentityCodec):

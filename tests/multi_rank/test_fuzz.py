@@ -23,7 +23,6 @@ raised on both ranks in the same example and they stay in step.
 from __future__ import annotations
 
 import collections
-import os
 import traceback
 from typing import Any
 
@@ -37,7 +36,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import qcomm
-from qcomm import CodecError
+from qcomm import CodecError, config
 from qcomm.testing import check_codec
 
 SETTINGS = settings(
@@ -327,7 +326,7 @@ SEEN: collections.Counter[str] = collections.Counter()
 
 
 def fuzz_collectives(rank: int, world: int) -> dict[str, int]:
-    os.environ["QCOMM_VERIFY"] = "1"
+    config.configure(verify="always")
     fuzz_one()
     # Still in step after every fault: one more exact call.
     check_pooled(rank, world, [2, 1], [3, 4], "fuzz-end", None)

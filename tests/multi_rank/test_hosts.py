@@ -9,7 +9,6 @@ codec alone makes it, forward and backward.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ from counting import counted
 from dist_utils import TRANSPORTS, run_ranks, transport_env
 
 import qcomm
-from qcomm import HostCodecs, QuantizedCommCodecs, load_codec
+from qcomm import HostCodecs, QuantizedCommCodecs, config, load_codec
 from qcomm.collectives import _call, _hosts
 from qcomm.collectives.all_reduce import Residuals, all_reduce, granule, layout
 from qcomm.registry import load_pair
@@ -279,13 +278,10 @@ def _host_names(rank: int) -> dict[str, int]:
     exact = qcomm.all_to_all_pooled(x, [2] * WORLD, [8] * WORLD, group=group).wait()
     assert torch.equal(out, exact)
     assert _hosts._by_name[group] == (0,) * WORLD
-    # QCOMM_RANKS_PER_HOST, read on each call, makes two hosts of the same group.
-    os.environ[_hosts.ENV] = str(PER_HOST)
-    try:
+    # The setting ranks_per_host, read on each call, makes two hosts of the same group.
+    with config.configured(ranks_per_host=PER_HOST):
         split = qcomm.all_to_all_pooled(x, [2] * WORLD, [8] * WORLD, group=group, codecs=policy)
         assert not torch.equal(split.wait(), exact)
-    finally:
-        del os.environ[_hosts.ENV]
     return {"host_names": 1}
 
 
@@ -352,12 +348,15 @@ def test_host_specs_parse_and_load() -> None:
         HostCodecs(same_host="noop")  # type: ignore[arg-type]
 
 
-def test_registry_from_qcomm_codecs_with_a_host_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_registry_from_qcomm_codecs_with_a_host_spec(
+    monkeypatch: pytest.MonkeyPatch, torchrecs_transport: None
+) -> None:
     monkeypatch.setenv("QCOMM_CODECS", "same_host=noop+other_host=fp16/bf16")
     registry = qcomm.build_registry()
     assert len(registry) == 3 and all(isinstance(v, HostCodecs) for v in registry.values())
-    # TorchRec's own reduce-scatter sums wires with the other hosts' codec:
-    # an unsummable one is refused there, and the fix keeps the host spec.
+    # TorchRec's own reduce-scatter (chosen here) sums wires with the other
+    # hosts' codec: an unsummable one is refused there, and the fix keeps the
+    # host spec.
     monkeypatch.setenv("QCOMM_CODECS", "same_host=noop+other_host=int8/bf16")
     with pytest.raises(CodecError) as caught:
         qcomm.build_registry()
@@ -370,16 +369,18 @@ def test_registry_from_qcomm_codecs_with_a_host_spec(monkeypatch: pytest.MonkeyP
 
 
 def test_ranks_per_host_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(_hosts.ENV, raising=False)
+    monkeypatch.delenv("QCOMM_RANKS_PER_HOST", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert _hosts.ranks_per_host(None) == (None, "host names")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert _hosts.ranks_per_host(None) == (8, "LOCAL_WORLD_SIZE")
-    monkeypatch.setenv(_hosts.ENV, "2")
-    assert _hosts.ranks_per_host(None) == (2, _hosts.ENV)
+    monkeypatch.setenv("QCOMM_RANKS_PER_HOST", "2")
+    assert _hosts.ranks_per_host(None) == (2, "QCOMM_RANKS_PER_HOST")
     assert _hosts.ranks_per_host(4) == (4, "ranks_per_host")
-    monkeypatch.setenv(_hosts.ENV, "two")
-    with pytest.raises(ValueError, match=_hosts.ENV):
+    with config.configured(ranks_per_host=3):
+        assert _hosts.ranks_per_host(None) == (3, "qcomm.config.ranks_per_host")
+    monkeypatch.setenv("QCOMM_RANKS_PER_HOST", "two")
+    with pytest.raises(ValueError, match="QCOMM_RANKS_PER_HOST"):
         _hosts.ranks_per_host(None)
 
 

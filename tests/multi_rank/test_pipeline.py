@@ -21,7 +21,6 @@ also checks that its case opened the transport it names and no other.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +41,7 @@ from dist_utils import TRANSPORTS, Outcome, check_case, outcomes_per_world_size,
 import qcomm
 import qcomm.collectives._exchange as qexchange
 import qcomm.collectives._transport as qtransport
-from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
+from qcomm import CodecError, CodecInfo, QuantizedCommCodecs, config
 from qcomm.collectives.all_reduce import all_reduce
 
 WORLD_SIZES = (2, 3)
@@ -162,10 +161,8 @@ def case_transports_agree(rank: int, world: int) -> None:
     calls = {**OPS, "all_reduce": reduced}
     results: dict[tuple[str, str, str | None], Any] = {}
     wrong = []
-    spawned_with = os.environ.get(qtransport.ENV)
-    try:
-        for transport, cls in TRANSPORT_CLASSES.items():
-            os.environ[qtransport.ENV] = transport
+    for transport, cls in TRANSPORT_CLASSES.items():
+        with config.configured(transport=transport):
             for op, call in calls.items():
                 for codec in TRANSPORT_CODECS:
                     with counting("transport_opened") as opened:
@@ -173,11 +170,6 @@ def case_transports_agree(rank: int, world: int) -> None:
                     moved = dict(opened)
                     if moved != {cls: 2}:
                         wrong.append(f"{op} {codec} with {transport} forced opened {moved}")
-    finally:
-        if spawned_with is None:
-            os.environ.pop(qtransport.ENV, None)
-        else:
-            os.environ[qtransport.ENV] = spawned_with
     assert not wrong, "; ".join(wrong)
     run_all(
         [
@@ -272,15 +264,12 @@ def case_chunk_bytes_is_checked(rank: int, world: int) -> None:
         ]
     )
     # Ranks that cut different chunks would mismatch messages: refused.
-    os.environ["QCOMM_VERIFY"] = "1"
-    try:
+    with config.configured(verify="always"):
         expect_error(
             CodecError,
             ("chunk_bytes", "rank"),
             lambda: a2a(x, batches, dims, chunk_bytes=1024 * (rank + 1)).wait(),
         )
-    finally:
-        del os.environ["QCOMM_VERIFY"]
 
 
 CASES: dict[str, Callable[[int, int], None]] = {

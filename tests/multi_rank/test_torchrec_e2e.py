@@ -496,7 +496,7 @@ def test_block_codecs_pad_pooled_embeddings(results, codec):
 
 
 @pytest.mark.parametrize("codec", BUILTIN)
-def test_registry_refuses_unsummable_reduce_scatter_codec(codec):
+def test_registry_refuses_unsummable_reduce_scatter_codec(codec, torchrecs_transport):
     spec = {"pooled_embeddings_reduce_scatter": f"{codec}/{codec}"}
     if summable(codec):
         assert CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name in qcomm.build_registry(spec)

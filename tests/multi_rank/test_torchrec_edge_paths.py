@@ -26,7 +26,6 @@ leaves the ranks in step.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +36,7 @@ from counting import counted
 from dist_utils import TRANSPORTS, Outcome, check_case, outcomes_per_world_size, transport_env
 
 import qcomm
-from qcomm import torchrec_exchange
+from qcomm import config, torchrec_exchange
 
 pytest.importorskip("torchrec")
 
@@ -291,15 +290,9 @@ def sequence_variable_batch_zero(rank: int, world: int) -> None:
 
 @contextlib.contextmanager
 def _env(value: str) -> Iterator[None]:
-    before = os.environ.get(torchrec_exchange.ENV)
-    os.environ[torchrec_exchange.ENV] = value
-    try:
+    # The setting only: the door reads it at the first call after an install.
+    with config.configured(torchrec_collectives=value):
         yield
-    finally:
-        if before is None:
-            del os.environ[torchrec_exchange.ENV]
-        else:
-            os.environ[torchrec_exchange.ENV] = before
 
 
 def door_read_once(rank: int, world: int) -> None:

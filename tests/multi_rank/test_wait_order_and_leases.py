@@ -16,7 +16,6 @@ earlier output never deadlocks.
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ import torch
 from dist_utils import run_cases
 
 import qcomm
-from qcomm import CodecError, QuantizedCommCodecs
+from qcomm import CodecError, QuantizedCommCodecs, config
 from qcomm.collectives import _buffers
 
 WORLD = 2
@@ -58,10 +57,8 @@ def in_step(rank: int, world: int) -> None:
 def case_wait_order(rank: int, world: int) -> None:
     """Outputs waited for in different orders: backward passes do not swap."""
     batches, dims = [2] * world, [4] * world
-    for verify in (None, "1"):
-        if verify:
-            os.environ["QCOMM_VERIFY"] = verify
-        try:
+    for verify in ("first", "always"):
+        with config.configured(verify=verify):
             a = torch.full((sum(batches), dims[rank]), 1.0, requires_grad=True)
             b = torch.full((sum(batches), dims[rank]), 2.0, requires_grad=True)
             pa = qcomm.all_to_all_pooled(a, batches, dims)
@@ -72,8 +69,6 @@ def case_wait_order(rank: int, world: int) -> None:
             out_first, out_second = first.wait(), second.wait()
             loss = out_first.sum() + 10.0 * out_second.sum()
             raises_promptly(("backward",), loss.backward)
-        finally:
-            os.environ.pop("QCOMM_VERIFY", None)
         in_step(rank, world)
     # Waited in the same order, the gradients are each input's own.
     a = torch.ones(sum(batches), dims[rank], requires_grad=True)

@@ -54,6 +54,7 @@ from typing import Any
 import pytest
 from counting import counting
 
+from qcomm import config
 from qcomm.collectives import _transport
 
 __all__ = [
@@ -102,6 +103,9 @@ def _worker(
     results: Any,
 ) -> None:
     os.environ.update(env)
+    # Unpickling the arguments may have read qcomm's settings (a registry
+    # unpickled enables qcomm's exchange): read them again, with env.
+    config._reread()
     import torch
     import torch.distributed as dist
 
@@ -368,7 +372,7 @@ def per_world_size(
 
 def transport_env(transport: str) -> dict[str, str]:
     """The environment that forces ``transport`` (one of :data:`TRANSPORTS`) in every rank."""
-    return {_transport.ENV: transport}
+    return {config.VARIABLES["transport"]: transport}
 
 
 def wrong_transport(opened: list[dict[str, int]], transport: str) -> str | None:

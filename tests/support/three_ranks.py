@@ -42,7 +42,7 @@ from dist_utils import Outcome, check_case, run_outcomes, transport_env
 
 import qcomm
 import qcomm.collectives._agreement as qverify
-from qcomm import CodecInfo, QuantizedCommCodecs
+from qcomm import CodecInfo, QuantizedCommCodecs, config
 
 #: the modules whose cases the spawn runs
 MODULES = ("test_agreement", "test_arguments", "test_failures")
@@ -138,20 +138,26 @@ def exact_on(group: Any, rank: int, world: int) -> None:
     assert torch.equal(out, expected), f"the call after a failure gave {out.tolist()}"
 
 
+VERIFY = config.VARIABLES["verify"]
+
+
 def with_env(value: str | None, fn: Callable[[], Any]) -> Any:
     """``fn()`` with ``QCOMM_VERIFY`` set to ``value`` (unset for None)."""
-    old = os.environ.get(qverify.ENV)
+    old = os.environ.get(VERIFY)
     if value is None:
-        os.environ.pop(qverify.ENV, None)
+        os.environ.pop(VERIFY, None)
     else:
-        os.environ[qverify.ENV] = value
+        os.environ[VERIFY] = value
+    # qcomm reads its settings once: read again, with and after the change.
+    config._reread()
     try:
         return fn()
     finally:
         if old is None:
-            os.environ.pop(qverify.ENV, None)
+            os.environ.pop(VERIFY, None)
         else:
-            os.environ[qverify.ENV] = old
+            os.environ[VERIFY] = old
+        config._reread()
 
 
 def raises(error: type[Exception], words: tuple[str, ...], fn: Callable[[], Any]) -> float:

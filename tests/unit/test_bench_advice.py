@@ -26,6 +26,7 @@ from qcomm.benchmark.advice import (
     speedup_at,
     speedups,
 )
+from qcomm.benchmark.options import LossGap
 from qcomm.benchmark.report import format_report
 
 A2A = CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.value
@@ -281,12 +282,9 @@ def test_training_loss_gaps_are_shown_and_a_significant_one_is_left_out(tmp_path
     )
     gaps = read_loss_gaps(path)
     assert set(gaps[A2A]) == {"fp16", "int8", "mx4"} and set(gaps[RS]) == {"fp16", "bf16"}
-    assert gaps[A2A]["mx4"] == {
-        "config": "mx4",
-        "held_out_gap": 0.0056,
-        "ci95": 0.0022,
-        "significant": True,
-    }
+    assert gaps[A2A]["mx4"] == LossGap(
+        config="mx4", held_out_gap=0.0056, ci95=0.0022, significant=True
+    )
     # Even with mx4 inside the budget, the default leaves it out for its gap.
     results = _results({A2A: CHEAP}, rms={"mx4": 0.01})
     (a2a,) = advise(results, 0.5, loss_gaps=gaps)
@@ -494,3 +492,31 @@ def test_the_bare_reduce_scatter_raises_no_warning_of_ours() -> None:
     finally:
         dist.destroy_process_group()
     assert torch.equal(out, x)
+
+
+def test_the_report_renders_the_advice_it_is_given_and_computes_none(monkeypatch) -> None:
+    import qcomm.benchmark.advice as advice_module
+
+    results = _results({A2A: CHEAP, RS: CHEAP})
+    given = advice_json(results, max_error="1e-2")
+    calls: list[str] = []
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        calls.append("advice")
+        raise AssertionError("the report computed advice")
+
+    monkeypatch.setattr(advice_module, "run_advice", refused)
+    monkeypatch.setattr(advice_module, "advise", refused)
+    text = format_report({**_full(results), "advice": given})
+    assert "RMS error at most 0.01 (--max-error)" in text and calls == []
+    assert "Advice (" not in format_report(_full(results))  # none given, none shown
+
+
+def test_the_loss_gaps_travel_to_the_ranks_as_records(tmp_path) -> None:
+    # The settings reach spawned ranks as JSON; rank 0's advice reads the gaps' fields.
+    from qcomm.benchmark.options import BenchConfig
+
+    gaps = {A2A: {"int8": LossGap(config="int8", held_out_gap=0.001, significant=True)}}
+    config = BenchConfig.from_json(BenchConfig(loss_gaps=gaps).to_json())
+    assert config.loss_gaps == gaps
+    assert BenchConfig.from_json(BenchConfig().to_json()).loss_gaps is None

@@ -15,6 +15,7 @@ pytest.importorskip("matplotlib")
 from matplotlib.legend import Legend  # noqa: E402
 
 import qcomm.benchmark.plot as plot  # noqa: E402
+from qcomm.benchmark.results import Advice, record_json  # noqa: E402
 
 OPS = [
     "pooled_embeddings_all_to_all",
@@ -209,8 +210,8 @@ def _budgeted(budget: float) -> dict[str, Any]:
     results["advice"] = {
         "max_rms_error": budget,
         "rates": [
-            {"gbit_per_s": 1.0, "collectives": [{"op": op, "forward": "int8"}]},
-            {"gbit_per_s": 100.0, "collectives": [{"op": op, "forward": "noop"}]},
+            {"gbit_per_s": rate, "collectives": [record_json(Advice(op, pick, pick, 1, 1, 0, 0))]}
+            for rate, pick in ((1.0, "int8"), (100.0, "noop"))
         ],
     }
     return results

@@ -179,3 +179,18 @@ def test_a_real_runs_json_keeps_its_keys(tmp_path: Any) -> None:
         "all_reduce",
     }
     assert set(results["units"]) >= set(CODEC_KEYS + CODEC_FIGURES + POINT_KEYS + POINT_FIGURES)
+
+
+def test_results_read_back_refuse_a_key_they_do_not_know() -> None:
+    from qcomm.benchmark.results import BenchMeta, LinkFigures, Results, TrainMeta
+
+    with pytest.raises(ValueError, match="BenchMeta: unknown key.s. nosuch"):
+        Results.of({"meta": {"nosuch": 1}})
+    with pytest.raises(ValueError, match="RunAdvice: unknown key.s. rate;"):
+        Results.of({"meta": {}, "advice": {"rate": []}})
+    # A part a run does not have is None, and left out of the JSON.
+    bench = Results.of({"meta": {"world_size": 2}, "link": {"spec": "1gbit", "bytes": 1}})
+    assert isinstance(bench.meta, BenchMeta) and isinstance(bench.link, LinkFigures)
+    assert list(bench.to_json()) == ["meta", "link"]
+    train = Results.of({"meta": {"seed": 3}, "train": {"model": {"name": "mlp"}, "series": []}})
+    assert isinstance(train.meta, TrainMeta) and train.meta.seed == 3 and train.mlp

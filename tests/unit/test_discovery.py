@@ -356,3 +356,19 @@ def test_a_plugin_the_user_imported_then_upgraded_is_refused(tmp_path):
     out = _run_python(code, tmp_path).splitlines()
     assert re.search(r"refused: .*good-codecs 2\.0.*imported good_mod before.*restart", out[0]), out
     assert out[1] == "kept: True"
+
+
+def test_loading_leaves_stevedores_own_listing_alone(tmp_path, monkeypatch):
+    # stevedore's listing is a class attribute, shared by every user of
+    # stevedore in the process: qcomm's load lists through its own manager
+    # and writes nothing there.
+    monkeypatch.delenv("QCOMM_PLUGINS", raising=False)
+    make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"})
+    activate(tmp_path, monkeypatch)
+    theirs = importlib.metadata.EntryPoint("theirs", "their_mod:Thing", "qcomm.codecs")
+    monkeypatch.setattr(ExtensionManager, "ENTRY_POINT_CACHE", {"other.group": []})
+    assert type(qcomm.load_codec("good")).__module__ == "good_mod"
+    assert ExtensionManager.ENTRY_POINT_CACHE == {"other.group": []}
+    ExtensionManager.ENTRY_POINT_CACHE["qcomm.codecs"] = [theirs]
+    assert type(qcomm.load_codec("fp16")).__name__ == "FP16Codec"
+    assert ExtensionManager.ENTRY_POINT_CACHE == {"other.group": [], "qcomm.codecs": [theirs]}

@@ -106,7 +106,7 @@ class _Foreign:
 
 
 @pytest.mark.parametrize("codec", [_Unsummable(), _Foreign()])
-def test_unsummable_reduce_scatter_codec_is_refused(codec):
+def test_unsummable_reduce_scatter_codec_is_refused(codec, torchrecs_transport):
     rs = "POOLED_EMBEDDINGS_REDUCE_SCATTER"
     for build in (
         lambda **kw: qcomm.build_registry(forward=codec, **kw),
@@ -129,7 +129,7 @@ class _Shrinking(_Unsummable):
         return (input_len + 1) // 2 + 4
 
 
-def test_size_changing_reduce_scatter_backward_is_refused():
+def test_size_changing_reduce_scatter_backward_is_refused(torchrecs_transport):
     rs = "POOLED_EMBEDDINGS_REDUCE_SCATTER"
     with pytest.raises(
         CodecError, match="cannot be the backward codec of POOLED_EMBEDDINGS_REDUCE_SCATTER"
@@ -164,7 +164,9 @@ def _suggested(msg: str, prefix: str) -> str:
     return fix[:-1] if prefix.endswith("(") else fix
 
 
-def test_unsummable_reduce_scatter_from_qcomm_codecs_is_fixed_in_its_own_form(monkeypatch):
+def test_unsummable_reduce_scatter_from_qcomm_codecs_is_fixed_in_its_own_form(
+    monkeypatch, torchrecs_transport
+):
     monkeypatch.setenv("QCOMM_CODECS", "int8")
     msg = _refusal()
     assert msg.startswith("QCOMM_CODECS: codec 'int8' cannot be the forward codec of "), msg
@@ -196,7 +198,7 @@ def test_unsummable_reduce_scatter_from_qcomm_codecs_is_fixed_in_its_own_form(mo
 
 
 def test_unsummable_reduce_scatter_from_a_string_or_a_mapping_is_fixed_in_its_own_form(
-    monkeypatch,
+    monkeypatch, torchrecs_transport
 ):
     import ast
 

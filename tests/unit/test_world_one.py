@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 import qcomm
-from qcomm.collectives import _transport
 from qcomm.collectives.all_reduce import all_reduce
 
 
@@ -47,7 +46,7 @@ def test_no_communication_at_world_size_one(
     transport: str,
     verify: str | None,
 ) -> None:
-    monkeypatch.setenv(_transport.ENV, transport)
+    monkeypatch.setenv("QCOMM_TRANSPORT", transport)
     if verify:
         monkeypatch.setenv("QCOMM_VERIFY", verify)
     calls = counting(monkeypatch)

@@ -1,4 +1,10 @@
-"""Child processes (check workers, bench ranks) that end with the command, however it ends."""
+r"""
+Child processes (``qcomm check``'s workers, ``qcomm bench``'s ranks) that end
+with the command, however it ends: SIGTERM and SIGHUP raised like Ctrl-C
+(:func:`stop_on_signals`), the shell's exit status of a stopped command
+(:func:`exit_status`), and children that end with their parent
+(:func:`end_with_parent`).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ import time
 from collections.abc import Iterator
 from types import FrameType
 
+__all__ = ["PARENT_ENV", "Stopped", "describe", "end_with_parent", "exit_status", "stop_on_signals"]
+
 #: the pid of the command that spawned a bench rank, for :func:`end_with_parent`
 PARENT_ENV = "QCOMM_PARENT_PID"
 
@@ -22,7 +30,13 @@ _STOP_SIGNALS = tuple(
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised like Ctrl-C's KeyboardInterrupt so the same cleanup runs."""
+    r"""
+    SIGTERM or SIGHUP, raised like Ctrl-C's ``KeyboardInterrupt`` so that the
+    same cleanup runs.
+
+    Args:
+        signum (int): the signal's number.
+    """
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"signal {signum}")
@@ -30,12 +44,26 @@ class Stopped(KeyboardInterrupt):
 
 
 def exit_status(err: KeyboardInterrupt) -> int:
-    """The shell's status of a command ended by ``err``: 128 plus the signal's number."""
+    r"""
+    exit_status(err: KeyboardInterrupt) -> int
+
+    The shell's status of a command ended by ``err``: 128 plus the signal's number.
+
+    Args:
+        err (KeyboardInterrupt): Ctrl-C's, or a :class:`Stopped`.
+    """
     return 128 + int(err.signum if isinstance(err, Stopped) else signal.SIGINT)
 
 
 def describe(err: KeyboardInterrupt) -> str:
-    """``"interrupted"`` for Ctrl-C, ``"stopped by SIGTERM"`` for a signal."""
+    r"""
+    describe(err: KeyboardInterrupt) -> str
+
+    ``"interrupted"`` for Ctrl-C, ``"stopped by SIGTERM"`` for a signal.
+
+    Args:
+        err (KeyboardInterrupt): Ctrl-C's, or a :class:`Stopped`.
+    """
     if isinstance(err, Stopped):
         return f"stopped by {signal.Signals(err.signum).name}"
     return "interrupted"
@@ -51,7 +79,12 @@ def _raise_stopped(signum: int, frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """Turns SIGTERM and SIGHUP into :class:`Stopped` for the block (main thread only)."""
+    r"""
+    stop_on_signals() -> ContextManager[None]
+
+    Turns SIGTERM and SIGHUP into :class:`Stopped` for the block (in the main
+    thread only; a signal ignored on purpose, as under ``nohup``, stays ignored).
+    """
     old: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():
         for signum in _STOP_SIGNALS:
@@ -83,7 +116,14 @@ def _watch_parent(parent: int) -> None:
 
 
 def end_with_parent(parent: int) -> None:
-    """Makes this process end when ``parent``, the process that started it, does."""
+    r"""
+    end_with_parent(parent: int) -> None
+
+    Makes this process end when ``parent``, the process that started it, does.
+
+    Args:
+        parent (int): the parent's pid.
+    """
     # On Linux the kernel kills it at once, even inside native code that never
     # returns to Python; elsewhere a thread polls the parent twice a second.
     if _death_signal():
