@@ -1,7 +1,7 @@
 r"""
 Sphinx configuration of qcomm's documentation.
 
-Build it with warnings as errors (``tests/test_docs.py`` does the same)::
+Build it with warnings as errors (``tests/unit/test_docs.py`` does the same)::
 
     sphinx-build -W --keep-going -b html docs docs/_build/html
 """

@@ -26,7 +26,6 @@ keeps TorchRec's transport for qcomm codecs (only the codecs change);
 
 from __future__ import annotations
 
-import collections
 import copyreg
 import dataclasses
 import functools
@@ -44,7 +43,7 @@ from typing import Any, Literal, cast
 import torch
 import torch.distributed as dist
 
-from qcomm import config
+from qcomm import _events, config
 from qcomm.errors import CodecError
 from qcomm.ops import CommOp
 from qcomm.types import HostCodecs, QuantizedCommCodecs, codec_info
@@ -52,7 +51,6 @@ from qcomm.types import HostCodecs, QuantizedCommCodecs, codec_info
 __all__ = [
     "ENV",
     "Route",
-    "calls",
     "carried",
     "enable",
     "enabled",
@@ -65,8 +63,6 @@ __all__ = [
 #: the environment variable of the setting ``torchrec_collectives``, which
 #: chooses the transport of qcomm codecs in TorchRec
 ENV = config.VARIABLES["torchrec_collectives"]
-#: calls that ran on qcomm's exchange, by the name of TorchRec's function
-calls: collections.Counter[str] = collections.Counter()
 
 _DIST_DATA = "torchrec.distributed.dist_data"
 _COMM_OPS = "torchrec.distributed.comm_ops"
@@ -380,7 +376,7 @@ def _replacement(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             if name in _SUMMED:
                 _refuse_summed_wires(name, given["codecs"], group, custom)
             return original(*args, **kwargs)
-        calls[name] += 1
+        _events.emit("torchrec_call", name)
         assert _awaitable_class is not None
         return _awaitable_class(*run(given, group))
 

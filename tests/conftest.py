@@ -1,4 +1,6 @@
-"""
+"""Fixtures every suite shares, unit and multi-rank alike (the helper modules
+they import are in ``support/``).
+
 qcomm reads its settings from the environment once per process
 (:mod:`qcomm.config`); a test that sets a variable in-process has it read
 again: each test starts from the environment as it is, and ``monkeypatch``'s
@@ -7,10 +9,14 @@ again: each test starts from the environment as it is, and ``monkeypatch``'s
 
 from __future__ import annotations
 
+import collections
+import pathlib
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from counting import counting
+from fake_dists import GOOD_CODEC, activate, make_dist
 
 from qcomm import config
 
@@ -43,3 +49,66 @@ def torchrecs_transport() -> Iterator[None]:
     """TorchRec's own transport chosen for qcomm codecs, where registries keep its rules."""
     with config.configured(torchrec_collectives="torchrec"):
         yield
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A default process group of one gloo rank for the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(params=["fbgemm", "torch"])
+def int8_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with fbgemm's kernels allowed and with qcomm's torch fallback forced."""
+    if request.param == "torch":
+        monkeypatch.setenv("QCOMM_DISABLE_FBGEMM", "1")
+    return str(request.param)
+
+
+@pytest.fixture
+def transports_opened() -> Iterator[collections.Counter[str]]:
+    """The transports the test's calls opened, by class name (a live count)."""
+    with counting("transport_opened") as opened:
+        yield opened
+
+
+@pytest.fixture
+def plugins(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
+    """Four throw-away distributions on ``sys.path``: a good one, one with a
+    factory that returns no codec, a broken one, and one whose factory fails;
+    their modules record that they were imported."""
+    monkeypatch.delenv("QCOMM_PLUGINS", raising=False)
+    monkeypatch.delenv("QCOMM_CODECS", raising=False)
+    make_dist(tmp_path, "good-codecs", "good_mod", GOOD_CODEC, {"good": "Codec"})
+    make_dist(
+        tmp_path,
+        "other-codecs",
+        "other_mod",
+        GOOD_CODEC,
+        {"other": "Codec", "notacodec": "make_plain"},
+        version="2.5",
+    )
+    with (tmp_path / "other_mod.py").open("a") as f:
+        f.write("\ndef make_plain():\n    return object()\n")
+    make_dist(
+        tmp_path,
+        "broken-codecs",
+        "broken_mod",
+        "import no_such_dependency_xyz\n",
+        {"broken": "Codec"},
+    )
+    make_dist(
+        tmp_path,
+        "angry-codecs",
+        "angry_mod",
+        "def Codec(**kw):\n    raise RuntimeError('no GPU found')\n",
+        {"angry": "Codec"},
+    )
+    activate(tmp_path, monkeypatch)
+    return tmp_path

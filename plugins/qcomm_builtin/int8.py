@@ -198,7 +198,7 @@ class Int8Codec(BlockCodec):
             return ops.Fused8BitRowwiseQuantizedToFloat(rows.contiguous()).view(-1)
         # fbgemm's CUDA kernel: one pass instead of three. Its q * scale + bias
         # is contracted to one fused multiply-add by nvcc, as torch's addcmul
-        # is on CUDA (tests/test_codecs_cuda.py compares them). It expects each
+        # is on CUDA (tests/unit/test_codecs_cuda.py compares them). It expects each
         # row's codes padded to a multiple of 4 bytes: this wire's layout only
         # when row_dim is a multiple of 4.
         op = cuda_op("Fused8BitRowwiseQuantizedToFloat", rows) if d % 4 == 0 else None

@@ -27,14 +27,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from qcomm import config
+from qcomm import _events, config
 
-__all__ = ["close", "completed", "drop", "exit_timeout", "later"]
-
-#: calls completed in the background so far (what tests count)
-completed = 0
-#: calls dropped without a wait and finished here (what tests count)
-dropped = 0
+__all__ = ["close", "drop", "exit_timeout", "later"]
 
 T = TypeVar("T")
 
@@ -55,14 +50,13 @@ class _Job(Generic[T]):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        global completed
         try:
             self.result = self.work()
         except BaseException as err:  # noqa: BLE001 - raised again by join()
             self.error = err
         finally:
             self.work = _nothing  # drops what the call held
-            completed += 1
+            _events.emit("background_completed")
             self.done.set()
 
     def join(self) -> T:
@@ -115,10 +109,9 @@ def drop(finish: Callable[[], object]) -> None:
     messages complete (its peers wait for them) and its buffers come back;
     its result and its error are dropped. Nothing once exit has begun.
     """
-    global dropped
     if _closed:
         return
-    dropped += 1
+    _events.emit("background_dropped")
     later(finish)
 
 

@@ -19,7 +19,6 @@ and the agreement check says so when it is not.
 
 from __future__ import annotations
 
-import collections
 import weakref
 from typing import Any
 
@@ -27,14 +26,11 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from qcomm import config
+from qcomm import _events, config
 from qcomm.collectives import _buffers, _streams
 from qcomm.collectives._backends import Backend
 
 CHOICES = config.TRANSPORTS
-#: Transports opened in this process, by class name: what tests count to
-#: prove which path a call took.
-opened: collections.Counter[str] = collections.Counter()
 
 # Every call on a group gets a number of its own, counted alike on every rank
 # (the ranks make the same calls in the same order). On point-to-point it is
@@ -100,7 +96,7 @@ def open_transport(
     transport.number = number
     transport.trailer_bytes = trailer_bytes
     transport.control_bytes = control_bytes
-    opened[type(transport).__name__] += 1
+    _events.emit("transport_opened", type(transport).__name__)
     return transport
 
 

@@ -1,7 +1,7 @@
 """The example plugin's own tests, as a codec author would write them.
 
 The ``qcomm_check_codec`` fixture comes from qcomm's pytest plugin; nothing is
-imported for it. qcomm's suite runs this file (tests/test_conformance.py).
+imported for it. qcomm's suite runs this file (tests/multi_rank/test_conformance.py).
 """
 
 from __future__ import annotations
