@@ -118,12 +118,14 @@ def test_qcomm_ranks_per_host_comes_before_torchruns(clean: pytest.MonkeyPatch) 
 def test_the_environment_is_read_once(
     clean: pytest.MonkeyPatch, reads: collections.Counter[str]
 ) -> None:
-    os.environ["QCOMM_VERIFY"] = "1"  # clean's undo removes it
+    # setitem, not setenv: the conftest's setenv reads the environment anew,
+    # and both leave the variables as they were after the test.
+    clean.setitem(os.environ, "QCOMM_VERIFY", "1")
     assert reads["environment"] == 0  # nothing read before the first use
     assert config.get().verify == "always"
     # Changed afterwards, in this process: not read again.
-    os.environ["QCOMM_VERIFY"] = "0"
-    os.environ["QCOMM_TRANSPORT"] = "all_to_all"
+    clean.setitem(os.environ, "QCOMM_VERIFY", "0")
+    clean.setitem(os.environ, "QCOMM_TRANSPORT", "all_to_all")
     for _ in range(3):
         assert config.get().verify == "always" and config.get().transport == "auto"
     assert _agreement.mode() == "always"
@@ -131,7 +133,6 @@ def test_the_environment_is_read_once(
     # The test hook reads it again.
     config._reread()
     assert config.get().verify == "never" and reads["environment"] == 2
-    del os.environ["QCOMM_TRANSPORT"]
 
 
 @pytest.mark.parametrize(
