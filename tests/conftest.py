@@ -10,6 +10,7 @@ again: each test starts from the environment as it is, and ``monkeypatch``'s
 from __future__ import annotations
 
 import collections
+import os
 import pathlib
 from collections.abc import Iterator
 from typing import Any
@@ -21,9 +22,19 @@ from fake_dists import GOOD_CODEC, activate, make_dist
 from qcomm import config
 
 
+def _qcomm_variables() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("QCOMM_")}
+
+
 @pytest.fixture(autouse=True)
-def _settings_read_anew() -> None:
+def _settings_read_anew() -> Iterator[None]:
+    # Autouse: set up before, and torn down after, monkeypatch's undo; a
+    # variable a test leaves behind would change every later suite's ranks.
+    before = _qcomm_variables()
     config._reread()
+    yield
+    after = _qcomm_variables()
+    assert after == before, f"the test left qcomm's variables changed: {before} -> {after}"
 
 
 @pytest.fixture
