@@ -203,6 +203,7 @@ def _checked(field: str, value: Any) -> Any:
 _environment: dict[str, tuple[Any, str] | ValueError] | None = None
 # The fields set in code, by configure() and configured().
 _code: dict[str, Any] = {}
+_UNSET = object()
 _lock = threading.RLock()
 
 
@@ -231,12 +232,18 @@ def _read(field: str) -> tuple[Any, str]:
     what reads it, as where the ranks must first tell each other).
     """
     global _environment
-    with _lock:
-        if field in _code:
-            return _code[field], f"qcomm.config.{field}"
-        if _environment is None:
-            _environment = _read_environment()
-        entry = _environment[field]
+    # Read on every collective call: the lock is taken only for the first,
+    # lazy read of the environment (a dict lookup is atomic).
+    code = _code.get(field, _UNSET)
+    if code is not _UNSET:
+        return code, f"qcomm.config.{field}"
+    environment = _environment
+    if environment is None:
+        with _lock:
+            if _environment is None:
+                _environment = _read_environment()
+            environment = _environment
+    entry = environment[field]
     if isinstance(entry, ValueError):
         raise ValueError(str(entry))
     return entry

@@ -265,7 +265,9 @@ class DDPCommHookState:
         # Where each name's residuals are.
         self._held: dict[_Name, _Place] = {}
         # Parameters numbered in the order this state first sees them.
-        self._numbers = cast(MutableMapping[torch.Tensor, int], WeakIdKeyDictionary())
+        # Each parameter's name, made once: residuals() names every parameter
+        # of every bucket at every step, and compares the names by identity first.
+        self._numbers = cast(MutableMapping[torch.Tensor, _Name], WeakIdKeyDictionary())
         self._live: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._next = 0
 
@@ -360,12 +362,12 @@ class DDPCommHookState:
         )
 
     def _number(self, param: torch.Tensor) -> _Name:
-        number = self._numbers.get(param)
-        if number is None:
-            number = self._numbers[param] = self._next
-            self._live[number] = param
+        name = self._numbers.get(param)
+        if name is None:
+            name = self._numbers[param] = _Name(self._next)
+            self._live[self._next] = param
             self._next += 1
-        return _Name(number)
+        return name
 
     def _unbound(self, entry: _Entry) -> bool:
         """Whether no live parameter of this state owns any of the entry's residuals."""

@@ -352,6 +352,8 @@ def _ours(codecs: Any, group: Any) -> bool:
         return False
     if _door is None:
         _door = enabled()
+    if not _door:
+        return False  # the setting chose TorchRec's transport: _route says so too
     if _route(compiled=torch.compiler.is_compiling(), due=False).transport != "qcomm":
         return False
     return dist.get_world_size(group) > 1

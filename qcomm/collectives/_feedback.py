@@ -95,6 +95,7 @@ class Record:
 
     def __init__(self, codec: Any, sinks: Sequence[tuple[torch.Tensor, Sink]]) -> None:
         self._codec = codec
+        self._decodes_into = getattr(codec, "decode_into", None) is not None
         # By identity: the exchange reads each chunk from the very tensor sent.
         self._sinks = {id(sent): (sent, sink) for sent, sink in sinks}
         self._chunks: list[_Chunk] = []
@@ -104,7 +105,7 @@ class Record:
         self._chunks.append(_Chunk(piece, x, wire, ctx))
 
     def _into(self, out: torch.Tensor) -> bool:
-        return out.dtype == torch.float32 and getattr(self._codec, "decode_into", None) is not None
+        return out.dtype == torch.float32 and self._decodes_into
 
     def drain(self) -> None:
         """Decodes every chunk encoded into its tensor's sink (once the sends are out)."""

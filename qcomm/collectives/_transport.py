@@ -58,14 +58,14 @@ def choice() -> str | None:
 
 def kind(group: dist.ProcessGroup, backend: Backend) -> str:
     """The transport a call on ``group`` takes with ``backend``: one of :data:`CHOICES`."""
-    forced = choice()
+    forced: str
+    forced, where = config._read("transport")
     if forced == "point_to_point" and not backend.moves_alone:
-        where = config._read("transport")[1]
         raise ValueError(
             f"{where}=point_to_point: expected gloo with CPU tensors, got backend "
             f"{dist.get_backend(group)} with tensors on {backend.device}"
         )
-    if forced is not None:
+    if forced != "auto":
         return forced
     return "point_to_point" if backend.moves_alone else "all_to_all"
 
