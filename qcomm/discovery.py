@@ -143,8 +143,11 @@ def _entry(name: str) -> tuple[CodecEntry, dict[str, list[CodecEntry]]]:
     if name not in allowed:
         known = ", ".join(allowed) or "none"
         left_out = found.get(name)
-        plugins = config._read("plugins")[1]
-        hidden = f" ({plugins} leaves out {left_out[0].distribution})" if left_out else ""
+        hidden = (
+            f" ({config._read('plugins')[1]} leaves out {left_out[0].distribution})"
+            if left_out
+            else ""
+        )
         raise CodecError(f"unknown codec {name!r}{hidden}; available codecs: {known}")
     entries = allowed[name]
     # Never pick one of two silently: a model trained with one and served

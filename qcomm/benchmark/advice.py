@@ -692,4 +692,4 @@ def registry_string(advice: list[Advice]) -> str:
         >>> registry_string([Advice("pooled_embeddings_all_to_all", "int8", "bf16", 2.0, 2.5, 0.003, 0.004)])
         'pooled_embeddings_all_to_all=int8/bf16'
     """
-    return ",".join(f"{a.op}={a.pair}" for a in advice)
+    return ",".join(a.spec for a in advice)

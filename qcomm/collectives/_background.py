@@ -33,8 +33,6 @@ __all__ = ["close", "drop", "exit_timeout", "later"]
 
 T = TypeVar("T")
 
-_EXIT_TIMEOUT = 10.0
-
 _jobs: queue.SimpleQueue[_Job[Any] | None] = queue.SimpleQueue()
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
@@ -126,10 +124,10 @@ def exit_timeout() -> float:
     except ValueError as err:
         # Raised at exit it would only be printed, and nothing waited for.
         warnings.warn(
-            f"{err}; waiting {_EXIT_TIMEOUT:g} s for the calls in flight",
+            f"{err}; waiting {config.Settings.exit_timeout:g} s for the calls in flight",
             stacklevel=2,
         )
-        return _EXIT_TIMEOUT
+        return config.Settings.exit_timeout
     return seconds
 
 
