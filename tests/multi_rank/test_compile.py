@@ -12,10 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from collective_checks import ForeignIdentityCodec
 from counting import counted
 from dist_utils import TRANSPORTS, run_ranks, transport_env
 
 import qcomm
+from qcomm import CodecError, CodecInfo, QuantizedCommCodecs
 from qcomm.collectives import (
     all_gather_pooled,
     all_to_all_pooled,
@@ -116,9 +119,7 @@ def _compiled_against_eager(rank: int, world: int) -> dict[str, Any]:
 
 @functools.cache
 def _outcome(world: int, transport: str) -> list[dict[str, Any]]:
-    return run_ranks(
-        _compiled_against_eager, world, env=transport_env(transport), timeout=600.0
-    )
+    return run_ranks(_compiled_against_eager, world, env=transport_env(transport), timeout=600.0)
 
 
 CASES = [(w, t, b) for w in WORLDS for t in TRANSPORTS for b in BACKENDS]
@@ -154,3 +155,62 @@ def test_compiled_graph_breaks_nothing_and_runs_qcommss_operators(
     for rank, found in enumerate(_outcome(world, transport)):
         assert found[backend]["graph breaks"] == 0, f"rank {rank}"
         assert found[backend]["operators"] == expected, f"rank {rank}"
+
+
+class EncodeFailsOnLastRank(ForeignIdentityCodec):
+    """Described alike on every rank; its encode raises on the last rank only."""
+
+    def __init__(self) -> None:
+        self.info = CodecInfo(name="encode_fails", bits_per_element=32)
+
+    def encode(self, input_tensor: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        if dist.get_rank() == dist.get_world_size() - 1:
+            raise RuntimeError("cannot encode here")
+        return input_tensor.reshape(-1)
+
+
+def _error(fn: Any, *args: Any) -> str:
+    try:
+        fn(*args)
+    except CodecError as err:
+        return f"{err} (caused by: {err.__cause__!r})"
+    return "returned"
+
+
+def _compiled_failures(rank: int, world: int) -> dict[str, str]:
+    """What each rank raises when a compiled call disagrees or a codec fails on one rank."""
+    batches, dims = [2] * world, [3] * world
+    x = torch.ones(2 * world, 3)
+
+    def pooled(x: torch.Tensor, codecs: Any) -> torch.Tensor:
+        return all_to_all_pooled(x, batches, dims, codecs=codecs).wait()
+
+    compiled = torch.compile(pooled, backend="aot_eager", fullgraph=True)
+    # The first call of the group: rank 0's codecs differ from the others'.
+    differ = qcomm.load_pair("int8/bf16" if rank == 0 else "fp16/bf16")
+    found = {"disagreement": _error(compiled, x, differ)}
+    # A later call: the codec fails on the last rank only.
+    compiled(x, qcomm.load_pair("int8/bf16"))
+    failing = QuantizedCommCodecs(EncodeFailsOnLastRank(), EncodeFailsOnLastRank())
+    found["codec failure"] = _error(compiled, x, failing)
+    return found
+
+
+@functools.cache
+def _failures(transport: str) -> list[dict[str, str]]:
+    return run_ranks(_compiled_failures, 2, env=transport_env(transport), timeout=300.0)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_compiled_call_whose_ranks_disagree_raises_on_every_rank(transport: str) -> None:
+    for rank, found in enumerate(_failures(transport)):
+        assert "codecs.forward" in found["disagreement"], f"rank {rank}: {found}"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_codec_failing_on_one_rank_in_a_compiled_call_raises_on_every_rank(
+    transport: str,
+) -> None:
+    rank_0, rank_1 = (found["codec failure"] for found in _failures(transport))
+    assert "rank 1 failed during the call" in rank_0, rank_0
+    assert "encode_fails" in rank_1 and "cannot encode here" in rank_1, rank_1
