@@ -29,6 +29,8 @@ the reduce-scatter's adjoint. What they share:
   may be changed or reused at once, before :meth:`~qcomm.Awaitable.wait`,
   and its gradient still goes where it went when the call was made
   (:doc:`collectives`, "Asynchronous by default").
+- Under ``torch.compile`` they trace to operators of the ``qcomm`` library,
+  with no graph break (:doc:`compile`).
 """
 
 # Registers its operator for torch.compile, as the others' modules do theirs.
