@@ -1,0 +1,208 @@
+"""TorchRec's synchronous and compiled modes on qcomm's exchange.
+
+TorchRec calls its collectives synchronously when told to
+(``comm_ops.set_use_sync_collectives(True)``) and whenever ``torch.compile``
+traces them. With a qcomm registry's pair, both still run on qcomm's
+exchange: a synchronous call returns TorchRec's ``NoWait`` with the result
+already there, and its backward runs on qcomm's exchange too; a function
+calling TorchRec's ``comm_ops`` compiled with ``fullgraph=True`` traces
+without a graph break and, run, calls qcomm's collectives. Both give the bits
+of the asynchronous eager call, forward and backward, for the pooled
+all-to-all, the reduce-scatters (base and v) and the sequence all-to-all.
+
+Calls are counted at run time: eager calls by the ``torchrec_call`` event,
+and every call (eager or compiled, forward or backward) by the transport it
+opens (``transport_opened``), which a compiled graph opens only when it runs.
+One spawn of 2 gloo ranks per transport checks every case.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from counting import counted
+from dist_utils import TRANSPORTS, run_ranks, transport_env, wrong_transport
+
+import qcomm
+
+pytest.importorskip("torchrec")
+
+WORLD = 2
+REGISTRY = (
+    "pooled_embeddings_all_to_all=int8/bf16,"
+    "pooled_embeddings_reduce_scatter=fp16/fp16,"
+    "sequence_embeddings_all_to_all=fp16/bf16"
+)
+NAMES = (
+    "alltoall_pooled",
+    "reduce_scatter_base_pooled",
+    "reduce_scatter_v_pooled",
+    "alltoall_sequence",
+)
+Start = Callable[[torch.Tensor], Any]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _calls(rank: int) -> dict[str, tuple[Start, torch.Tensor]]:
+    """Each TorchRec function, called with the registry's pair: the call (its
+    awaitable from an input) and this rank's input."""
+    from torchrec.distributed import comm_ops
+    from torchrec.distributed.dist_data import SequenceEmbeddingsAllToAll
+
+    registry = qcomm.build_registry(REGISTRY)
+    a2a = registry["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    rs = registry["POOLED_EMBEDDINGS_REDUCE_SCATTER"]
+    seq = registry["SEQUENCE_EMBEDDINGS_ALL_TO_ALL"]
+    dims, batches, splits = [4, 8], [3, 2], [3, 1]
+    # One table per rank; lengths[t][j]: ids of rank j's 2 samples in table t.
+    lengths = torch.tensor([[1, 2, 0, 1], [2, 0, 1, 1]], dtype=torch.int)
+    sent = [int(lengths[rank, 2 * j : 2 * j + 2].sum()) for j in range(WORLD)]
+    got = [int(lengths[k, 2 * rank : 2 * rank + 2].sum()) for k in range(WORLD)]
+    order = SequenceEmbeddingsAllToAll(dist.group.WORLD, [1, 1])
+    forward, backward = order._forward_recat_tensor, order._backward_recat_tensor
+    mine = lengths[rank : rank + 1].long()
+    return {
+        "alltoall_pooled": (
+            lambda x: comm_ops.alltoall_pooled(x, batches, dims, codecs=a2a),
+            torch.randn(sum(batches), dims[rank], generator=_gen(rank)),
+        ),
+        "reduce_scatter_base_pooled": (
+            lambda x: comm_ops.reduce_scatter_base_pooled(x, codecs=rs),
+            torch.randn(4, 8, generator=_gen(10 + rank)),
+        ),
+        "reduce_scatter_v_pooled": (
+            lambda x: comm_ops.reduce_scatter_v_pooled(x, splits, codecs=rs),
+            torch.randn(sum(splits), 8, generator=_gen(20 + rank)),
+        ),
+        # TorchRec names the splits after the ids' all-to-all: its input
+        # splits are what comes back.
+        "alltoall_sequence": (
+            lambda x: comm_ops.alltoall_sequence(x, forward, backward, mine, got, sent, codecs=seq),
+            torch.randn(sum(sent), 4, generator=_gen(30 + rank)),
+        ),
+    }
+
+
+def _run(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> dict[str, Any]:
+    """Forward, then backward with a fixed gradient: the output, the input's
+    gradient, and what ran on qcomm's exchange meanwhile."""
+    calls, opened = counted("torchrec_call").copy(), counted("transport_opened").copy()
+    x = x.clone().requires_grad_(True)
+    y = call(x)
+    y.backward(torch.randn(y.shape, generator=_gen(99)))
+    assert x.grad is not None
+    return {
+        "y": y.detach(),
+        "grad": x.grad,
+        "calls": dict(counted("torchrec_call") - calls),
+        "opened": dict(counted("transport_opened") - opened),
+    }
+
+
+def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    # A case that fails on every rank alike (a trace refused before anything
+    # is sent) is reported; the ranks stay in step for the next case.
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - reported, checked by the test
+        return {"error": f"{type(err).__name__}: {err}"[:2000]}
+
+
+def _waited(start: Start, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = start(x).wait()
+    return out
+
+
+def _synchronous(start: Start, x: torch.Tensor) -> dict[str, Any]:
+    from torchrec.distributed import comm_ops
+    from torchrec.distributed.types import NoWait
+
+    done: list[bool] = []
+
+    def call(t: torch.Tensor) -> torch.Tensor:
+        awaitable = start(t)
+        done.append(isinstance(awaitable, NoWait))
+        out: torch.Tensor = awaitable.wait()
+        return out
+
+    comm_ops.set_use_sync_collectives(True)
+    try:
+        out = _run(call, x)
+    finally:
+        comm_ops.set_use_sync_collectives(False)
+    return {**out, "done": done}
+
+
+def _compiled(start: Start, x: torch.Tensor) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(functools.partial(_waited, start), fullgraph=True, backend="aot_eager")
+    first = _run(compiled, x)  # traces, then runs
+    out = _run(compiled, x)  # runs the graph only
+    return {**out, "first": first, "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name, (start, x) in _calls(rank).items():
+        out[f"async {name}"] = _run(functools.partial(_waited, start), x)
+        out[f"sync {name}"] = _guarded(functools.partial(_synchronous, start, x))
+        out[f"compiled {name}"] = _guarded(functools.partial(_compiled, start, x))
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def results(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, dict[str, Any]]]]:
+    env = transport_env(request.param)
+    return request.param, run_ranks(_worker, WORLD, timeout=600.0, env=env)
+
+
+def _opened_twice(opened: dict[str, int], transport: str) -> None:
+    # Forward and backward, each a call of qcomm's on the forced transport.
+    assert wrong_transport([opened], transport) is None, wrong_transport([opened], transport)
+    assert sum(opened.values()) == 2, opened
+
+
+def _same_bits(got: dict[str, Any], want: dict[str, Any], case: str) -> None:
+    assert "error" not in got, (case, got.get("error"))
+    assert torch.equal(got["y"], want["y"]), f"{case}: the output differs from async eager"
+    assert torch.equal(got["grad"], want["grad"]), f"{case}: the gradient differs"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_synchronous_call_runs_on_qcomms_exchange(
+    results: tuple[str, list[dict[str, dict[str, Any]]]], name: str
+) -> None:
+    transport, ranks = results
+    for r in ranks:
+        got = r[f"sync {name}"]
+        _same_bits(got, r[f"async {name}"], f"sync {name}")
+        assert got["done"] == [True], got["done"]  # TorchRec's NoWait, done on return
+        assert got["calls"] == {name: 1}, got["calls"]
+        _opened_twice(got["opened"], transport)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_compiled_call_runs_on_qcomms_exchange(
+    results: tuple[str, list[dict[str, dict[str, Any]]]], name: str
+) -> None:
+    transport, ranks = results
+    for r in ranks:
+        got = r[f"compiled {name}"]
+        _same_bits(got, r[f"async {name}"], f"compiled {name}")
+        _same_bits(got["first"], r[f"async {name}"], f"compiled {name}, first call")
+        assert got["graph_breaks"] == 0, got["graph_breaks"]
+        # Counted when the graph runs, every run.
+        _opened_twice(got["first"]["opened"], transport)
+        _opened_twice(got["opened"], transport)
