@@ -8,9 +8,12 @@ every call whose codecs come from a qcomm registry (a
 :class:`~qcomm.QuantizedCommCodecs`, as :func:`~qcomm.build_registry`
 makes): the bytes then travel on qcomm's pipelined, full-duplex exchange,
 with its agreement checks and statuses, instead of TorchRec's
-``all_to_all_single``. Every other call (no codecs, TorchRec's own codecs,
-world size 1, TorchRec's synchronous or compiled mode) goes to TorchRec's
-function unchanged.
+``all_to_all_single``. So do TorchRec's synchronous mode (the call waited
+at once) and its calls traced by ``torch.compile`` (qcomm's collectives
+then trace to qcomm's operators). Every other call (no codecs, TorchRec's
+own codecs, world size 1, a call that passes its own
+``all_to_all_single_comm``) goes to TorchRec's function unchanged; the last,
+with a qcomm pair, is warned of once.
 
 Installing is explicit (:func:`install`) and also automatic: wherever a
 qcomm registry is built (:func:`~qcomm.build_registry`,
@@ -257,18 +260,19 @@ def route(op: CommOp | str, codecs: Any = None, *, compiled: bool = False) -> Ro
     Which transport a TorchRec call of ``op`` with ``codecs`` takes now: the
     same decision its call makes (see :doc:`torchrec`). TorchRec's
     transport is taken for codecs that are not a qcomm pair, where the
-    setting ``torchrec_collectives`` is ``"torchrec"``, where qcomm's exchange
-    is not installed (nor due at TorchRec's import), in TorchRec's
-    synchronous mode and under ``torch.compile``. A call also keeps TorchRec's
-    function on a group of one rank, or when it passes its own
-    ``all_to_all_single_comm``; those the call alone knows.
+    setting ``torchrec_collectives`` is ``"torchrec"`` and where qcomm's
+    exchange is not installed (nor due at TorchRec's import); TorchRec's
+    synchronous mode and ``torch.compile`` take the same route as its
+    asynchronous eager calls. A call also keeps TorchRec's function on a
+    group of one rank, or when it passes its own ``all_to_all_single_comm``
+    (warned of once with a qcomm pair); those the call alone knows.
 
     Args:
         op (CommOp | str): the collective, a :class:`~qcomm.CommOp` or its name.
         codecs (QuantizedCommCodecs, optional): the call's pair.
             Default: ``None`` (any pair of a qcomm registry).
         compiled (bool, optional): whether the call is traced by
-            ``torch.compile``. Default: ``False``.
+            ``torch.compile``; the route is the same. Default: ``False``.
 
     Returns:
         Route: the transport and why. On TorchRec's transport, a
@@ -291,7 +295,7 @@ def route(op: CommOp | str, codecs: Any = None, *, compiled: bool = False) -> Ro
     op = CommOp.parse(op)
     if codecs is not None and not isinstance(codecs, QuantizedCommCodecs):
         return Route("torchrec", _NOT_OURS)
-    found = _route(compiled=compiled, due=True)
+    found = _route(due=True)
     if found.transport == "torchrec" and op is CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER:
         problems = _uncarried(codecs) if codecs is not None else []
         if problems:
@@ -303,7 +307,7 @@ def route(op: CommOp | str, codecs: Any = None, *, compiled: bool = False) -> Ro
 _NOT_OURS = "the codecs are not a qcomm pair (none, or TorchRec's own)"
 
 
-def _route(*, compiled: bool, due: bool) -> Route:
+def _route(*, due: bool) -> Route:
     """
     The route of a call with a qcomm pair: what a call decides (installed,
     its door read) and what :func:`route` answers (``due``: an install due at
@@ -353,7 +357,7 @@ def _ours(codecs: Any, group: Any) -> bool:
         _door = enabled()
     if not _door:
         return False  # the setting chose TorchRec's transport: _route says so too
-    if _route(compiled=torch.compiler.is_compiling(), due=False).transport != "qcomm":
+    if _route(due=False).transport != "qcomm":
         return False
     return dist.get_world_size(group) > 1
 
@@ -377,11 +381,12 @@ def _replacement(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         # A custom all_to_all_single_comm is TorchRec's way to swap its
         # transport: whoever passes one wants theirs.
         custom = given.get("all_to_all_single_comm") is not None
-        if custom or not _ours(given["codecs"], group):
+        ours = _ours(given["codecs"], group)
+        if custom or not ours:
             if name in _SUMMED:
                 _refuse_summed_wires(name, given["codecs"], group, custom)
-            if custom and _ours(given["codecs"], group):
-                _warn_once(name, "it passes its own all_to_all_single_comm")
+            if custom and ours:
+                _warn_once(name, "the call passes its own all_to_all_single_comm")
             return original(*args, **kwargs)
         compiling = torch.compiler.is_compiling()
         if not compiling:
@@ -415,7 +420,7 @@ def _warn_once(name: str, reason: str) -> bool:
             f"comm_ops.{name}: a call with a qcomm pair runs on TorchRec's own transport, "
             f"not on qcomm's exchange: {reason}",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
     return True
 
@@ -477,11 +482,7 @@ def _refuse_summed_wires(name: str, codecs: Any, group: Any, custom: bool) -> No
     problems = _uncarried(codecs)
     if not problems:
         return
-    why = (
-        "the call's own all_to_all_single_comm"
-        if custom
-        else _route(compiled=torch.compiler.is_compiling(), due=False).reason
-    )
+    why = "the call's own all_to_all_single_comm" if custom else _route(due=False).reason
     raise CodecError(
         f"comm_ops.{name}: this call runs on TorchRec's own transport ({why}), which sums "
         f"the ranks' wires as they are, and the registry's POOLED_EMBEDDINGS_REDUCE_SCATTER "

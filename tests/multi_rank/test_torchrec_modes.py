@@ -8,17 +8,20 @@ already there, and its backward runs on qcomm's exchange too; a function
 calling TorchRec's ``comm_ops`` compiled with ``fullgraph=True`` traces
 without a graph break and, run, calls qcomm's collectives. Both give the bits
 of the asynchronous eager call, forward and backward, for the pooled
-all-to-all, the reduce-scatters (base and v) and the sequence all-to-all.
+all-to-all (of fixed and variable batch), the reduce-scatters (base, v and
+v per feature) and the sequence all-to-all.
 
 Calls are counted at run time: eager calls by the ``torchrec_call`` event,
-and every call (eager or compiled, forward or backward) by the transport it
-opens (``transport_opened``), which a compiled graph opens only when it runs.
+compiled ones by qcomm's operators they run (``compiled_call``), and every
+call (eager or compiled, forward or backward) by the transport it opens
+(``transport_opened``), which a compiled graph opens only when it runs.
 One spawn of 2 gloo ranks per transport checks every case.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -38,12 +41,15 @@ REGISTRY = (
     "pooled_embeddings_reduce_scatter=fp16/fp16,"
     "sequence_embeddings_all_to_all=fp16/bf16"
 )
-NAMES = (
-    "alltoall_pooled",
-    "reduce_scatter_base_pooled",
-    "reduce_scatter_v_pooled",
-    "alltoall_sequence",
-)
+# TorchRec's functions, and the qcomm collective each runs on.
+NAMES = {
+    "alltoall_pooled": "all_to_all_pooled",
+    "variable_batch_alltoall_pooled": "all_to_all_sequence",
+    "reduce_scatter_base_pooled": "reduce_scatter_pooled",
+    "reduce_scatter_v_pooled": "reduce_scatter_pooled",
+    "reduce_scatter_v_per_feature_pooled": "reduce_scatter_pooled",
+    "alltoall_sequence": "all_to_all_sequence",
+}
 Start = Callable[[torch.Tensor], Any]
 
 
@@ -62,6 +68,10 @@ def _calls(rank: int) -> dict[str, tuple[Start, torch.Tensor]]:
     rs = registry["POOLED_EMBEDDINGS_REDUCE_SCATTER"]
     seq = registry["SEQUENCE_EMBEDDINGS_ALL_TO_ALL"]
     dims, batches, splits = [4, 8], [3, 2], [3, 1]
+    # batch[i][f]: rank i's batch size for feature f, feature f on rank f.
+    batch = [[2, 3], [1, 2]]
+    per_rank = [[batch[i][rank]] for i in range(WORLD)]
+    per_feature = sum(batch[i][f] * dims[f] for i in range(WORLD) for f in range(WORLD))
     # One table per rank; lengths[t][j]: ids of rank j's 2 samples in table t.
     lengths = torch.tensor([[1, 2, 0, 1], [2, 0, 1, 1]], dtype=torch.int)
     sent = [int(lengths[rank, 2 * j : 2 * j + 2].sum()) for j in range(WORLD)]
@@ -74,6 +84,12 @@ def _calls(rank: int) -> dict[str, tuple[Start, torch.Tensor]]:
             lambda x: comm_ops.alltoall_pooled(x, batches, dims, codecs=a2a),
             torch.randn(sum(batches), dims[rank], generator=_gen(rank)),
         ),
+        "variable_batch_alltoall_pooled": (
+            lambda x: comm_ops.variable_batch_alltoall_pooled(
+                x, per_rank, batch[rank], [[d] for d in dims], codecs=a2a
+            ),
+            torch.randn(sum(b[0] for b in per_rank) * dims[rank], generator=_gen(40 + rank)),
+        ),
         "reduce_scatter_base_pooled": (
             lambda x: comm_ops.reduce_scatter_base_pooled(x, codecs=rs),
             torch.randn(4, 8, generator=_gen(10 + rank)),
@@ -81,6 +97,10 @@ def _calls(rank: int) -> dict[str, tuple[Start, torch.Tensor]]:
         "reduce_scatter_v_pooled": (
             lambda x: comm_ops.reduce_scatter_v_pooled(x, splits, codecs=rs),
             torch.randn(sum(splits), 8, generator=_gen(20 + rank)),
+        ),
+        "reduce_scatter_v_per_feature_pooled": (
+            lambda x: comm_ops.reduce_scatter_v_per_feature_pooled(x, batch, dims, codecs=rs),
+            torch.randn(per_feature, generator=_gen(50 + rank)),
         ),
         # TorchRec names the splits after the ids' all-to-all: its input
         # splits are what comes back.
@@ -95,6 +115,7 @@ def _run(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> dict[
     """Forward, then backward with a fixed gradient: the output, the input's
     gradient, and what ran on qcomm's exchange meanwhile."""
     calls, opened = counted("torchrec_call").copy(), counted("transport_opened").copy()
+    ops = counted("compiled_call").copy()
     x = x.clone().requires_grad_(True)
     y = call(x)
     y.backward(torch.randn(y.shape, generator=_gen(99)))
@@ -104,6 +125,7 @@ def _run(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> dict[
         "grad": x.grad,
         "calls": dict(counted("torchrec_call") - calls),
         "opened": dict(counted("transport_opened") - opened),
+        "ops": dict(counted("compiled_call") - ops),
     }
 
 
@@ -152,8 +174,31 @@ def _compiled(start: Start, x: torch.Tensor) -> dict[str, Any]:
     return {**out, "first": first, "graph_breaks": sum(counters["graph_break"].values())}
 
 
+def _own_comm(rank: int) -> dict[str, Any]:
+    # TorchRec's way to swap its transport: the call keeps it, and says so once.
+    from torchrec.distributed import comm_ops
+
+    pair = qcomm.build_registry(REGISTRY)["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    dims = [4, 8]
+
+    def call(t: torch.Tensor) -> torch.Tensor:
+        comm = comm_ops.DefaultAll2AllSingle()
+        out: torch.Tensor = comm_ops.alltoall_pooled(
+            t, [3, 2], dims, codecs=pair, all_to_all_single_comm=comm
+        ).wait()
+        return out
+
+    x = torch.randn(5, dims[rank], generator=_gen(60 + rank))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = [_run(call, x) for _ in range(2)]
+    ours = [w for w in caught if str(w.message).startswith("comm_ops.")]
+    told = [str(w.message) for w in ours]
+    return {"runs": runs, "told": told, "where": [w.filename for w in ours]}
+
+
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, Any]] = {"own comm": _own_comm(rank)}
     for name, (start, x) in _calls(rank).items():
         out[f"async {name}"] = _run(functools.partial(_waited, start), x)
         out[f"sync {name}"] = _guarded(functools.partial(_synchronous, start, x))
@@ -190,6 +235,7 @@ def test_a_synchronous_call_runs_on_qcomms_exchange(
         _same_bits(got, r[f"async {name}"], f"sync {name}")
         assert got["done"] == [True], got["done"]  # TorchRec's NoWait, done on return
         assert got["calls"] == {name: 1}, got["calls"]
+        assert not got["ops"], got["ops"]
         _opened_twice(got["opened"], transport)
 
 
@@ -203,6 +249,24 @@ def test_a_compiled_call_runs_on_qcomms_exchange(
         _same_bits(got, r[f"async {name}"], f"compiled {name}")
         _same_bits(got["first"], r[f"async {name}"], f"compiled {name}, first call")
         assert got["graph_breaks"] == 0, got["graph_breaks"]
-        # Counted when the graph runs, every run.
-        _opened_twice(got["first"]["opened"], transport)
-        _opened_twice(got["opened"], transport)
+        # Counted when the graph runs, every run: qcomm's operators.
+        ops = {f"{NAMES[name]}_{step}": 1 for step in ("start", "wait", "backward")}
+        for run in (got["first"], got):
+            _opened_twice(run["opened"], transport)
+            assert run["ops"] == ops, run["ops"]
+            assert not run["calls"], run["calls"]  # not counted as an eager call
+
+
+def test_a_call_with_its_own_all_to_all_is_warned_of_once(
+    results: tuple[str, list[dict[str, dict[str, Any]]]],
+) -> None:
+    _, ranks = results
+    for r in ranks:
+        got = r["own comm"]
+        assert got["told"] == [
+            "comm_ops.alltoall_pooled: a call with a qcomm pair runs on TorchRec's own "
+            "transport, not on qcomm's exchange: the call passes its own all_to_all_single_comm"
+        ], got["told"]
+        assert got["where"] == [__file__], got["where"]  # where the call is made
+        for run in got["runs"]:  # on TorchRec's transport: nothing of qcomm's opened
+            assert not run["calls"] and not run["opened"], run
