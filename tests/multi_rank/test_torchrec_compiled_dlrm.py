@@ -9,9 +9,8 @@ exchange (counted), the compiled part traced without a graph break, and the
 losses are the eager run's. Both runs use the same codecs on the same
 exchange, so the codecs' error is the same in both and the losses may differ
 only by the compiler's float rounding (none with ``aot_eager``, which runs
-the same kernels). ``aot_eager``: inductor compiles C++ for a minute or more
-on 2 cores (the collectives' operators are compiled by inductor in their own
-tests)."""
+the same kernels). ``aot_eager``: with inductor this test took 64 s with its
+caches cold (30 s warm) on 2 loaded cores, against 18 s."""
 
 from __future__ import annotations
 
