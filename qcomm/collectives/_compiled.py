@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from qcomm import _events
 from qcomm.awaitable import Awaitable
@@ -178,31 +179,26 @@ def define(collective: Collective) -> Callable[..., Awaitable[torch.Tensor]]:
     ``traced(input, own, group, codecs, chunk_bytes)``, ``own`` the values of
     the collective's own parameters in order.
     """
-    stem = f"qcomm::{collective.name}"
-    start_op = torch.library.custom_op(
-        f"{stem}_start",
+    name = collective.name
+    start_op = chained(
+        f"{name}_start",
+        collective.schema("Tensor input"),
         _start_impl(collective),
-        mutates_args=(),
-        schema=collective.schema("Tensor input"),
+        _start_fake,
     )
-    start_op.register_fake(_start_fake)
-    wait_op = torch.library.custom_op(
-        f"{stem}_wait",
+    wait_op, inner_wait = _chained_with_inner(
+        f"{name}_wait",
+        collective.schema("Tensor handle, Tensor input, Tensor anchor"),
         _wait_impl(collective),
-        mutates_args=(),
-        schema=collective.schema("Tensor handle, Tensor input, Tensor anchor"),
+        _wait_fake(collective),
     )
-    wait_op.register_fake(_wait_fake(collective))
-    backward_op = torch.library.custom_op(
-        f"{stem}_backward",
+    backward_op = opaque(
+        f"{name}_backward",
+        collective.schema("Tensor grad, SymInt[] input_shape"),
         _backward_impl(collective),
-        mutates_args=(),
-        schema=collective.schema("Tensor grad, SymInt[] input_shape"),
+        _backward_fake,
     )
-    backward_op.register_fake(_backward_fake)
-    wait_op.register_autograd(_backward_of(backward_op), setup_context=_remember_shape)
-    for op in (start_op, wait_op, backward_op):
-        ordered(op)
+    inner_wait.register_autograd(_backward_of(backward_op), setup_context=_remember_shape)
 
     def traced(
         input: torch.Tensor, own: Sequence[Any], group: Any, codecs: Any, chunk_bytes: Any
@@ -212,6 +208,82 @@ def define(collective: Collective) -> Callable[..., Awaitable[torch.Tensor]]:
         return Started(wait_op, handle, input, values)
 
     return traced
+
+
+# The operators the public ones are made of (see chained()).
+_Library: Any = torch.library.Library  # untyped in torch's stubs
+_library = _Library("qcomm", "FRAGMENT")
+
+
+def opaque(name: str, schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> Any:
+    """
+    Registers ``qcomm::_{name}``: ``impl`` and ``fake`` with an ordering
+    argument first (``Tensor? after``, which they ignore: see
+    :func:`chained`), as an ordered effect, which the compiler keeps where
+    its output is unused.
+    """
+    op = torch.library.custom_op(
+        f"qcomm::_{name}",
+        lambda after, *args: impl(*args),
+        mutates_args=(),
+        schema=f"(Tensor? after, {schema[1:]}",
+    )
+    op.register_fake(lambda after, *args: fake(*args))
+    ordered(op)
+    return op
+
+
+def chained(name: str, schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> Any:
+    """
+    Registers ``qcomm::{name}`` (``impl`` runs it, ``fake`` gives its output's
+    shape) and returns it; see :func:`_chained_with_inner`.
+    """
+    return _chained_with_inner(name, schema, impl, fake)[0]
+
+
+def _chained_with_inner(
+    name: str, schema: str, impl: Callable[..., Any], fake: Callable[..., Any]
+) -> tuple[Any, Any]:
+    """
+    Registers ``qcomm::{name}``, made of the opaque ``qcomm::_{name}``
+    (returned second) given the output of the operator traced before it in
+    the same graph: ranks whose graphs differ in shapes would otherwise have
+    their calls put in different orders by the compiler (which orders
+    independent operators by what they cost), and their exchanges would not
+    pair. The chain is made while the graph is traced, so it follows the
+    program's order (and autograd's, in the backward pass), alike on every
+    rank.
+    """
+    inner = opaque(name, schema, impl, fake)
+    _library.define(f"{name}{schema}")
+
+    def composite(*args: Any) -> Any:
+        return follow(inner(after(), *args))
+
+    _library.impl(name, composite, "CompositeImplicitAutograd")
+    return getattr(torch.ops.qcomm, name).default, inner
+
+
+# The last output of a qcomm operator in the graph being traced, and the
+# tracer (weakly held: a graph traced is let go).
+_last: tuple[weakref.ref[Any], weakref.ref[torch.Tensor]] | None = None
+
+
+def after() -> torch.Tensor | None:
+    """What the next qcomm operator of the graph being traced comes after (``None`` when not tracing)."""
+    tracer = get_proxy_mode()
+    if tracer is None or _last is None or _last[0]() is not tracer:
+        return None
+    return _last[1]()
+
+
+def follow(output: torch.Tensor) -> torch.Tensor:
+    """Makes ``output`` what the next qcomm operator of the graph being traced comes after."""
+    global _last
+    tracer = get_proxy_mode()
+    if tracer is not None:
+        _last = (weakref.ref(tracer), weakref.ref(output))
+    return output
 
 
 class Started(Awaitable[torch.Tensor]):
@@ -301,16 +373,18 @@ def _backward_fake(grad: torch.Tensor, input_shape: list[int], *values: Any) -> 
 
 
 def _remember_shape(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    ctx.input_shape = list(inputs[1].shape)
-    ctx.dtype = inputs[1].dtype
-    ctx.values = inputs[3:]
+    # inputs: after, handle, input, anchor, then the parameters.
+    ctx.input_shape = list(inputs[2].shape)
+    ctx.dtype = inputs[2].dtype
+    ctx.values = inputs[4:]
 
 
 def _backward_of(backward_op: Any) -> Callable[..., tuple[Any, ...]]:
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # Every rank runs the backward exchange, also where its input needs
         # no gradient (only the anchor does): its peers wait for it.
-        grad_input = backward_op(grad.to(ctx.dtype).contiguous(), ctx.input_shape, *ctx.values)
-        return (None, grad_input, None, *([None] * len(ctx.values)))
+        grad = grad.to(ctx.dtype).contiguous()
+        grad_input = follow(backward_op(after(), grad, ctx.input_shape, *ctx.values))
+        return (None, None, grad_input, None, *([None] * len(ctx.values)))
 
     return backward

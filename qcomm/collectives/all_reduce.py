@@ -13,11 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qcomm import _events
 from qcomm.collectives._args import check_chunk_bytes, check_flag, check_input, pair_codecs
 from qcomm.collectives._blocks import _every_codec, granule, layout, split_blocks
 from qcomm.collectives._call import begin
 from qcomm.collectives._coding import is_identity
-from qcomm.collectives._compiled import group_name, group_of, kept, object_key, ordered
+from qcomm.collectives._compiled import chained, group_name, group_of, kept, object_key
 from qcomm.collectives._feedback import Residuals, check_residuals
 from qcomm.collectives._reduce import reduce_in_steps
 from qcomm.collectives._topology import steps
@@ -146,18 +147,13 @@ def all_reduce(
     return buffer
 
 
-@torch.library.custom_op(
-    "qcomm::all_reduce",
-    mutates_args=(),
-    schema="(Tensor buffer, str group, bool average, int? chunk_bytes, str reduce_codec, "
-    "str gather_codec, str residuals, str by_host) -> Tensor",
-)
-def _all_reduce_op(
+def _all_reduce_impl(
     buffer: torch.Tensor, group: str, average: bool, chunk_bytes: int | None, *keys: str
 ) -> torch.Tensor:
     # What a compiled graph runs: the eager all-reduce on a copy of the
     # buffer (an operator's output may not be its input); the traced
     # function copies it back in place.
+    _events.emit("compiled_call", "all_reduce")
     names = ("reduce_codec", "gather_codec", "residuals", "by_host")
     objects = {name: kept(key, f"all_reduce: {name}") for name, key in zip(names, keys)}
     reduced = buffer.clone()
@@ -165,9 +161,14 @@ def _all_reduce_op(
     return reduced
 
 
-@_all_reduce_op.register_fake
-def _(buffer: torch.Tensor, *args: Any) -> torch.Tensor:
+def _all_reduce_fake(buffer: torch.Tensor, *args: Any) -> torch.Tensor:
     return torch.empty_like(buffer)
 
 
-ordered(_all_reduce_op)
+_all_reduce_op = chained(
+    "all_reduce",
+    "(Tensor buffer, str group, bool average, int? chunk_bytes, str reduce_codec, "
+    "str gather_codec, str residuals, str by_host) -> Tensor",
+    _all_reduce_impl,
+    _all_reduce_fake,
+)
