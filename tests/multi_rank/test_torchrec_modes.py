@@ -197,8 +197,44 @@ def _own_comm(rank: int) -> dict[str, Any]:
     return {"runs": runs, "told": told, "where": [w.filename for w in ours]}
 
 
+def _output_dists(rank: int) -> dict[str, Any]:
+    # What a sharded module calls: TorchRec's output-dist modules, compiled
+    # together, equal to eager.
+    from torchrec.distributed.dist_data import (
+        PooledEmbeddingsAllToAll,
+        PooledEmbeddingsReduceScatter,
+    )
+
+    registry = qcomm.build_registry(REGISTRY)
+    a2a = PooledEmbeddingsAllToAll(
+        dist.group.WORLD, [4, 8], codecs=registry["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    )
+    rs = PooledEmbeddingsReduceScatter(
+        dist.group.WORLD, codecs=registry["POOLED_EMBEDDINGS_REDUCE_SCATTER"]
+    )
+
+    def both(x: torch.Tensor) -> torch.Tensor:
+        pooled = a2a(x, [3, 2]).wait()
+        reduced = rs(x[:4, :4]).wait()
+        return torch.cat([pooled.flatten(), reduced.flatten()])
+
+    x = torch.randn(5, [4, 8][rank], generator=_gen(70 + rank))
+    return {"eager": _run(both, x), **_compiled(lambda t: _Done(both(t)), x)}
+
+
+class _Done:
+    """A result there already, awaited as TorchRec's calls are."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"own comm": _own_comm(rank)}
+    out["output dists"] = _guarded(functools.partial(_output_dists, rank))
     for name, (start, x) in _calls(rank).items():
         out[f"async {name}"] = _run(functools.partial(_waited, start), x)
         out[f"sync {name}"] = _guarded(functools.partial(_synchronous, start, x))
@@ -270,3 +306,21 @@ def test_a_call_with_its_own_all_to_all_is_warned_of_once(
         assert got["where"] == [__file__], got["where"]  # where the call is made
         for run in got["runs"]:  # on TorchRec's transport: nothing of qcomm's opened
             assert not run["calls"] and not run["opened"], run
+
+
+def test_compiled_output_dists_run_on_qcomms_exchange(
+    results: tuple[str, list[dict[str, dict[str, Any]]]],
+) -> None:
+    transport, ranks = results
+    for r in ranks:
+        got = r["output dists"]
+        _same_bits(got, got["eager"], "compiled output dists")
+        assert got["graph_breaks"] == 0, got["graph_breaks"]
+        steps = ("start", "wait", "backward")
+        ops = {
+            f"{c}_{step}": 1
+            for c in ("all_to_all_pooled", "reduce_scatter_pooled")
+            for step in steps
+        }
+        assert got["ops"] == ops, got["ops"]
+        assert wrong_transport([got["opened"]], transport) is None, got["opened"]
