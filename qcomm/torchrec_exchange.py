@@ -8,9 +8,12 @@ every call whose codecs come from a qcomm registry (a
 :class:`~qcomm.QuantizedCommCodecs`, as :func:`~qcomm.build_registry`
 makes): the bytes then travel on qcomm's pipelined, full-duplex exchange,
 with its agreement checks and statuses, instead of TorchRec's
-``all_to_all_single``. Every other call (no codecs, TorchRec's own codecs,
-world size 1, TorchRec's synchronous or compiled mode) goes to TorchRec's
-function unchanged.
+``all_to_all_single``. So do TorchRec's synchronous mode (the call waited
+at once) and its calls traced by ``torch.compile`` (qcomm's collectives
+then trace to qcomm's operators). Every other call (no codecs, TorchRec's
+own codecs, world size 1, a call that passes its own
+``all_to_all_single_comm``) goes to TorchRec's function unchanged; the last,
+with a qcomm pair, is warned of once.
 
 Installing is explicit (:func:`install`) and also automatic: wherever a
 qcomm registry is built (:func:`~qcomm.build_registry`,
@@ -99,6 +102,8 @@ _COMMON = ("group", "codecs")
 _lock = threading.Lock()
 _originals: dict[str, Callable[..., Any]] = {}
 _awaitable_class: type | None = None
+_no_wait: type | None = None  # TorchRec's NoWait
+_comm_ops: Any = None  # TorchRec's comm_ops, where install() found it
 # Set by uninstall(), cleared by install(): the automatic installs stay off.
 _held_off = False
 # Whether TorchRec can be imported here (looked up once: it walks sys.path).
@@ -151,7 +156,7 @@ def install() -> None:
         RuntimeError: if TorchRec's functions are not the ones this version of
             qcomm knows (a TorchRec upgrade moved them); nothing is replaced.
     """
-    global _awaitable_class, _held_off, _door
+    global _awaitable_class, _no_wait, _comm_ops, _held_off, _door
     comm_ops = importlib.import_module(_COMM_OPS)
     dist_data = importlib.import_module(_DIST_DATA)
     with _lock:
@@ -170,6 +175,8 @@ def install() -> None:
                 "codecs still run)"
             )
         _awaitable_class = _make_awaitable_class()
+        _no_wait = importlib.import_module("torchrec.distributed.types").NoWait
+        _comm_ops = comm_ops
         for name in _EXPECTED:
             original = getattr(comm_ops, name)
             _originals[name] = original
@@ -253,18 +260,19 @@ def route(op: CommOp | str, codecs: Any = None, *, compiled: bool = False) -> Ro
     Which transport a TorchRec call of ``op`` with ``codecs`` takes now: the
     same decision its call makes (see :doc:`torchrec`). TorchRec's
     transport is taken for codecs that are not a qcomm pair, where the
-    setting ``torchrec_collectives`` is ``"torchrec"``, where qcomm's exchange
-    is not installed (nor due at TorchRec's import), in TorchRec's
-    synchronous mode and under ``torch.compile``. A call also keeps TorchRec's
-    function on a group of one rank, or when it passes its own
-    ``all_to_all_single_comm``; those the call alone knows.
+    setting ``torchrec_collectives`` is ``"torchrec"`` and where qcomm's
+    exchange is not installed (nor due at TorchRec's import); TorchRec's
+    synchronous mode and ``torch.compile`` take the same route as its
+    asynchronous eager calls. A call also keeps TorchRec's function on a
+    group of one rank, or when it passes its own ``all_to_all_single_comm``
+    (warned of once with a qcomm pair); those the call alone knows.
 
     Args:
         op (CommOp | str): the collective, a :class:`~qcomm.CommOp` or its name.
         codecs (QuantizedCommCodecs, optional): the call's pair.
             Default: ``None`` (any pair of a qcomm registry).
         compiled (bool, optional): whether the call is traced by
-            ``torch.compile``. Default: ``False``.
+            ``torch.compile``; the route is the same. Default: ``False``.
 
     Returns:
         Route: the transport and why. On TorchRec's transport, a
@@ -287,7 +295,7 @@ def route(op: CommOp | str, codecs: Any = None, *, compiled: bool = False) -> Ro
     op = CommOp.parse(op)
     if codecs is not None and not isinstance(codecs, QuantizedCommCodecs):
         return Route("torchrec", _NOT_OURS)
-    found = _route(compiled=compiled, due=True)
+    found = _route(due=True)
     if found.transport == "torchrec" and op is CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER:
         problems = _uncarried(codecs) if codecs is not None else []
         if problems:
@@ -299,7 +307,7 @@ def route(op: CommOp | str, codecs: Any = None, *, compiled: bool = False) -> Ro
 _NOT_OURS = "the codecs are not a qcomm pair (none, or TorchRec's own)"
 
 
-def _route(*, compiled: bool, due: bool) -> Route:
+def _route(*, due: bool) -> Route:
     """
     The route of a call with a qcomm pair: what a call decides (installed,
     its door read) and what :func:`route` answers (``due``: an install due at
@@ -322,11 +330,6 @@ def _route(*, compiled: bool, due: bool) -> Route:
             "torchrec",
             "qcomm's exchange is not installed in TorchRec (install(), or build a registry)",
         )
-    comm_ops = sys.modules.get(_COMM_OPS)
-    if comm_ops is not None and comm_ops.get_use_sync_collectives():
-        return Route("torchrec", "TorchRec's synchronous collectives (set_use_sync_collectives)")
-    if compiled:
-        return Route("torchrec", "torch.compile traces TorchRec's own functions")
     return Route("qcomm", "a qcomm pair, and qcomm's exchange installed in TorchRec")
 
 
@@ -354,35 +357,84 @@ def _ours(codecs: Any, group: Any) -> bool:
         _door = enabled()
     if not _door:
         return False  # the setting chose TorchRec's transport: _route says so too
-    if _route(compiled=torch.compiler.is_compiling(), due=False).transport != "qcomm":
+    if _route(due=False).transport != "qcomm":
         return False
     return dist.get_world_size(group) > 1
 
 
 def _replacement(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
+    # The signature is read here, once: a call binds its arguments with plain
+    # dict operations, which torch.compile traces (inspect.signature it does not).
+    parameters = inspect.signature(original).parameters
+    names = tuple(parameters)
+    defaults = {n: p.default for n, p in parameters.items() if p.default is not p.empty}
     run = _RUNS[name]
 
     @functools.wraps(original)
     def replacement(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        given = bound.arguments
+        given = _bound(names, defaults, args, kwargs)
+        if given is None:
+            return original(*args, **kwargs)  # TorchRec's own TypeError
         group = given["group"]
         if group is None:
             group = dist.distributed_c10d._get_default_group()
         # A custom all_to_all_single_comm is TorchRec's way to swap its
         # transport: whoever passes one wants theirs.
         custom = given.get("all_to_all_single_comm") is not None
-        if custom or not _ours(given["codecs"], group):
+        ours = _ours(given["codecs"], group)
+        if custom or not ours:
             if name in _SUMMED:
                 _refuse_summed_wires(name, given["codecs"], group, custom)
+            if custom and ours:
+                _warn_once(name, "the call passes its own all_to_all_single_comm")
             return original(*args, **kwargs)
-        _events.emit("torchrec_call", name)
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            # Traced, it would count the trace, not the calls: compiled calls
+            # are counted where qcomm's collective runs.
+            _events.emit("torchrec_call", name)
         assert _awaitable_class is not None
-        return _awaitable_class(*run(given, group))
+        inner, finish = run(given, group)
+        if _comm_ops.get_use_sync_collectives() and not compiling:
+            # TorchRec's synchronous mode: the call is done when it returns.
+            assert _no_wait is not None
+            return _no_wait(finish(inner.wait()))
+        return _awaitable_class(inner, finish)
 
     return replacement
+
+
+# (TorchRec function, reason) already warned of, once per process.
+_warned: set[tuple[str, str]] = set()
+
+
+# Under torch.compile, run while tracing (once per trace) and not traced: a
+# warning cannot be part of a graph.
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def _warn_once(name: str, reason: str) -> bool:
+    """Warns that a call of ``comm_ops.<name>`` with a qcomm pair runs on TorchRec's
+    own transport, and why; once per function and reason."""
+    if (name, reason) not in _warned:
+        _warned.add((name, reason))
+        warnings.warn(
+            f"comm_ops.{name}: a call with a qcomm pair runs on TorchRec's own transport, "
+            f"not on qcomm's exchange: {reason}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return True
+
+
+def _bound(
+    names: tuple[str, ...], defaults: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any] | None:
+    """A call's arguments by name, or ``None`` where they do not fit the signature."""
+    if len(args) > len(names) or any(k not in names or k in names[: len(args)] for k in kwargs):
+        return None
+    given = dict(defaults)
+    given.update(zip(names, args))
+    given.update(kwargs)
+    return given if len(given) == len(names) else None
 
 
 # TorchRec's reduce-scatters, which sum the ranks' wires as they are and
@@ -430,11 +482,7 @@ def _refuse_summed_wires(name: str, codecs: Any, group: Any, custom: bool) -> No
     problems = _uncarried(codecs)
     if not problems:
         return
-    why = (
-        "the call's own all_to_all_single_comm"
-        if custom
-        else _route(compiled=torch.compiler.is_compiling(), due=False).reason
-    )
+    why = "the call's own all_to_all_single_comm" if custom else _route(due=False).reason
     raise CodecError(
         f"comm_ops.{name}: this call runs on TorchRec's own transport ({why}), which sums "
         f"the ranks' wires as they are, and the registry's POOLED_EMBEDDINGS_REDUCE_SCATTER "
@@ -444,7 +492,7 @@ def _refuse_summed_wires(name: str, codecs: Any, group: Any, custom: bool) -> No
 
 
 def _divide() -> bool:
-    return bool(sys.modules[_COMM_OPS].get_gradient_division())
+    return bool(_comm_ops.get_gradient_division())
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:

@@ -186,25 +186,26 @@ def test_an_unpickled_registry_installs_on_torchrecs_import() -> None:
 
 
 def _on_torchrecs_transport(rank: int, world_size: int) -> dict[str, str]:
-    # TorchRec's synchronous collectives: the registry's reduce-scatter pair
-    # goes to TorchRec's transport, which sums wires as they are.
-    from torchrec.distributed import comm_ops
+    # Installed, and the setting chooses TorchRec's transport at the first
+    # call: the registry's reduce-scatter pair goes there, which sums wires as
+    # they are.
     from torchrec.distributed.dist_data import PooledEmbeddingsReduceScatter
 
-    comm_ops.set_use_sync_collectives(True)
+    qcomm.build_registry(forward="fp16")  # installs
     out = {}
-    for spec in ("fp8_e4m3_tensor/fp16", "fp16/int8", "fp16/fp16"):
-        registry = qcomm.build_registry(
-            {"pooled_embeddings_reduce_scatter": spec}, allow_unsummable_reduce_scatter=True
-        )
-        rs = PooledEmbeddingsReduceScatter(
-            dist.group.WORLD, codecs=registry["POOLED_EMBEDDINGS_REDUCE_SCATTER"]
-        )
-        try:
-            rs(_data(rank, world_size * BATCH, DIM)).wait()
-            out[spec] = "ok"
-        except qcomm.CodecError as err:
-            out[spec] = str(err)
+    with qcomm.config.configured(torchrec_collectives="torchrec"):
+        for spec in ("fp8_e4m3_tensor/fp16", "fp16/int8", "fp16/fp16"):
+            registry = qcomm.build_registry(
+                {"pooled_embeddings_reduce_scatter": spec}, allow_unsummable_reduce_scatter=True
+            )
+            rs = PooledEmbeddingsReduceScatter(
+                dist.group.WORLD, codecs=registry["POOLED_EMBEDDINGS_REDUCE_SCATTER"]
+            )
+            try:
+                rs(_data(rank, world_size * BATCH, DIM)).wait()
+                out[spec] = "ok"
+            except qcomm.CodecError as err:
+                out[spec] = str(err)
     out["installed"] = str(torchrec_exchange.installed())
     out["calls"] = str(sum(counted("torchrec_call").values()))
     return out
@@ -220,4 +221,5 @@ def test_an_unsummable_pair_on_torchrecs_transport_is_refused_on_every_rank() ->
             ("fp8_e4m3_tensor/fp16", "forward codec 'fp8_e4m3_tensor' is not summable"),
             ("fp16/int8", "backward codec 'int8' changes the size"),
         ):
-            assert problem in r[spec] and "synchronous collectives" in r[spec], r
+            assert problem in r[spec], r
+            assert "the setting torchrec_collectives is 'torchrec'" in r[spec], r

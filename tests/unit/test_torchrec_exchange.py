@@ -123,6 +123,22 @@ def test_other_calls_stay_on_torchrec(fresh: object) -> None:
         dist.destroy_process_group()
 
 
+def test_a_call_that_does_not_fit_the_signature_gets_torchrecs_own_error(fresh: object) -> None:
+    # The door binds arguments itself (inspect.signature does not trace
+    # under torch.compile): what does not fit goes to TorchRec's function,
+    # which raises its own TypeError.
+    torchrec_exchange.install()
+    x = torch.randn(2, 4)
+    for args, kwargs, message in (
+        ((x, [2], [4]), {"bogus": 1}, "unexpected keyword argument 'bogus'"),
+        ((x, [2]), {}, "missing 1 required positional argument: 'dim_sum_per_rank'"),
+        ((x, [2], [4]), {"batch_size_per_rank": [2]}, "multiple values for argument"),
+        ((x, [2], [4], None, None, None, None, None, 9), {}, "takes from 3 to 8 positional"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            comm_ops.alltoall_pooled(*args, **kwargs)
+
+
 def test_build_registry_installs_once_torchrec_is_imported() -> None:
     # Importing TorchRec costs seconds: build_registry does not, it installs
     # when the user's own import of TorchRec happens (or at once, after it).
