@@ -3,7 +3,10 @@ The training-step benchmark of ``qcomm bench --train`` (see :doc:`/bench`,
 "Training steps"): TorchRec's DLRM sharded by ``DistributedModelParallel``
 over the bench's ranks, trained with each configuration of codecs (a
 :class:`~qcomm.benchmark.harness.TrainSeries`) in turn, every one from the same weights on the same
-batches, and timed step by step in interleaved rounds.
+batches, and timed step by step in interleaved rounds; by default in
+TorchRec's ``TrainPipelineSparseDist`` (``--train-loop``), with
+``--train-compile`` compiled twins of three series whose dense part runs
+under ``torch.compile``.
 
 By default half the tables are sharded table-wise (TorchRec's pooled
 all-to-all) and half row-wise (its pooled reduce-scatter), so both embedding
