@@ -11,7 +11,9 @@ of its own. Events, by name (detail):
 - ``background_dropped``: a call that will never be waited for was handed to
   the background thread;
 - ``torchrec_call`` (the name of TorchRec's function): a TorchRec call ran
-  on qcomm's exchange.
+  on qcomm's exchange;
+- ``compiled_call`` (the operator, e.g. ``all_to_all_pooled_start``): an
+  operator of a compiled graph ran (:mod:`qcomm.collectives._compiled`).
 """
 
 from __future__ import annotations

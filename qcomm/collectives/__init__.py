@@ -31,6 +31,8 @@ the reduce-scatter's adjoint. What they share:
   (:doc:`collectives`, "Asynchronous by default").
 """
 
+# Registers its operator for torch.compile, as the others' modules do theirs.
+import qcomm.collectives.all_reduce  # noqa: F401
 from qcomm.collectives.all_gather import all_gather_pooled
 from qcomm.collectives.all_to_all import all_to_all_pooled, all_to_all_sequence
 from qcomm.collectives.reduce_scatter import reduce_scatter_pooled

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from qcomm.awaitable import Awaitable
 from qcomm.collectives._args import check_chunk_bytes, check_input, check_splits, resolve_codecs
 from qcomm.collectives._call import begin
+from qcomm.collectives._compiled import Collective, define
 from qcomm.collectives._layouts import gather_blocks, sum_blocks
 from qcomm.collectives._pending import Pending
 
@@ -77,6 +78,8 @@ def all_gather_pooled(
         torch.Size([2, 3])
         >>> dist.destroy_process_group()
     """
+    if torch.compiler.is_compiling():
+        return _traced(input, (output_splits,), group, codecs, chunk_bytes)
     with begin("all_gather_pooled forward", group, input, "all_gather_pooled") as call:
         pg, world, rank = call.group, call.world, call.rank
         with call.agreement as agree:
@@ -110,3 +113,41 @@ def all_gather_pooled(
             return sum_blocks(grad, splits, backward, back, chunk)()
 
     return Pending(input, finish, backward_fn)
+
+
+def _splits(rows: Any, world: int, splits: list[Any] | None) -> list[Any]:
+    # Without splits, every rank's block has this rank's rows.
+    return [rows] * world if splits is None else list(splits)
+
+
+def _shape(
+    input_shape: list[Any], rank: int, world: int, *, output_splits: list[Any] | None
+) -> list[Any]:
+    return [sum(_splits(input_shape[0], world, output_splits)), *input_shape[1:]]
+
+
+def _gradient(
+    grad: torch.Tensor,
+    input_shape: list[int],
+    *,
+    output_splits: list[int] | None,
+    group: dist.ProcessGroup,
+    codecs: Any,
+    chunk_bytes: int | None,
+) -> torch.Tensor:
+    # A compiled graph's backward: the forward call has checked the arguments.
+    with begin("all_gather_pooled backward", group, grad) as back:
+        backward = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
+        splits = _splits(input_shape[0], back.world, output_splits)
+        return sum_blocks(grad, splits, backward, back, chunk_bytes)()
+
+
+_traced = define(
+    Collective(
+        "all_gather_pooled",
+        (("SymInt[]?", "output_splits"),),
+        all_gather_pooled,
+        _gradient,
+        _shape,
+    )
+)

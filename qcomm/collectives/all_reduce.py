@@ -13,10 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qcomm import _events
 from qcomm.collectives._args import check_chunk_bytes, check_flag, check_input, pair_codecs
 from qcomm.collectives._blocks import _every_codec, granule, layout, split_blocks
 from qcomm.collectives._call import begin
 from qcomm.collectives._coding import is_identity
+from qcomm.collectives._compiled import chained, group_name, group_of, kept, object_key
 from qcomm.collectives._feedback import Residuals, check_residuals
 from qcomm.collectives._reduce import reduce_in_steps
 from qcomm.collectives._topology import steps
@@ -100,6 +102,10 @@ def all_reduce(
         [1.0, 1.0, 1.0, 1.0]
         >>> dist.destroy_process_group()
     """
+    if torch.compiler.is_compiling():
+        keys = [object_key(value) for value in (reduce_codec, gather_codec, residuals, by_host)]
+        reduced = _all_reduce_op(buffer, group_name(group), average, chunk_bytes, *keys)
+        return buffer.copy_(reduced)
     with begin("all_reduce", group, buffer, "all_reduce") as call:
         rank, world = call.rank, call.world
         with call.agreement as agree:
@@ -139,3 +145,30 @@ def all_reduce(
                 residuals.scatter = residuals.gather = None
             raise
     return buffer
+
+
+def _all_reduce_impl(
+    buffer: torch.Tensor, group: str, average: bool, chunk_bytes: int | None, *keys: str
+) -> torch.Tensor:
+    # What a compiled graph runs: the eager all-reduce on a copy of the
+    # buffer (an operator's output may not be its input); the traced
+    # function copies it back in place.
+    _events.emit("compiled_call", "all_reduce")
+    names = ("reduce_codec", "gather_codec", "residuals", "by_host")
+    objects = {name: kept(key, f"all_reduce: {name}") for name, key in zip(names, keys)}
+    reduced = buffer.clone()
+    all_reduce(reduced, group=group_of(group), average=average, chunk_bytes=chunk_bytes, **objects)
+    return reduced
+
+
+def _all_reduce_fake(buffer: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(buffer)
+
+
+_all_reduce_op = chained(
+    "all_reduce",
+    "(Tensor buffer, str group, bool average, int? chunk_bytes, str reduce_codec, "
+    "str gather_codec, str residuals, str by_host) -> Tensor",
+    _all_reduce_impl,
+    _all_reduce_fake,
+)

@@ -23,6 +23,7 @@ from qcomm.collectives._args import (
     resolve_codecs,
 )
 from qcomm.collectives._call import begin
+from qcomm.collectives._compiled import Collective, define
 from qcomm.collectives._layouts import pooled_backward, pooled_forward, sequence_exchange
 from qcomm.collectives._pending import Pending
 
@@ -92,6 +93,9 @@ def all_to_all_pooled(
         torch.Size([4, 3])
         >>> dist.destroy_process_group()
     """
+    if torch.compiler.is_compiling():
+        own = (batch_size_per_rank, dim_sum_per_rank, gradient_division)
+        return _traced_pooled(input, own, group, codecs, chunk_bytes)
     with begin("all_to_all_pooled forward", group, input, "all_to_all_pooled") as call:
         pg, rank, world = call.group, call.rank, call.world
         with call.agreement as agree:
@@ -187,6 +191,9 @@ def all_to_all_sequence(
         True
         >>> dist.destroy_process_group()
     """
+    if torch.compiler.is_compiling():
+        own = (input_splits, output_splits)
+        return _traced_sequence(input, own, group, codecs, chunk_bytes)
     with begin("all_to_all_sequence forward", group, input, "all_to_all_sequence") as call:
         pg, world = call.group, call.world
         with call.agreement as agree:
@@ -218,3 +225,89 @@ def all_to_all_sequence(
             return sequence_exchange(grad, recvs, sends, backward, back, chunk)()
 
     return Pending(input, finish, backward_fn)
+
+
+def _at(values: list[Any] | None, index: int) -> Any:
+    return values[index] if values is not None and 0 <= index < len(values) else 0
+
+
+def _pooled_shape(
+    input_shape: list[Any],
+    rank: int,
+    world: int,
+    *,
+    batch_size_per_rank: list[Any],
+    dim_sum_per_rank: list[Any],
+    gradient_division: bool,
+) -> list[Any]:
+    return [_at(batch_size_per_rank, rank), sum(dim_sum_per_rank)]
+
+
+def _pooled_gradient(
+    grad: torch.Tensor,
+    input_shape: list[int],
+    *,
+    batch_size_per_rank: list[int],
+    dim_sum_per_rank: list[int],
+    gradient_division: bool,
+    group: dist.ProcessGroup,
+    codecs: Any,
+    chunk_bytes: int | None,
+) -> torch.Tensor:
+    # A compiled graph's backward: the forward call has checked the arguments.
+    with begin("all_to_all_pooled backward", group, grad) as back:
+        backward = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
+        divide = back.world if gradient_division else 1
+        batches, dims = list(batch_size_per_rank), list(dim_sum_per_rank)
+        return pooled_backward(grad, batches, dims, backward, back, divide, chunk_bytes)
+
+
+def _sequence_shape(
+    input_shape: list[Any],
+    rank: int,
+    world: int,
+    *,
+    input_splits: list[Any],
+    output_splits: list[Any],
+) -> list[Any]:
+    return [sum(output_splits), *input_shape[1:]]
+
+
+def _sequence_gradient(
+    grad: torch.Tensor,
+    input_shape: list[int],
+    *,
+    input_splits: list[int],
+    output_splits: list[int],
+    group: dist.ProcessGroup,
+    codecs: Any,
+    chunk_bytes: int | None,
+) -> torch.Tensor:
+    with begin("all_to_all_sequence backward", group, grad) as back:
+        backward = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
+        sends, receives = list(input_splits), list(output_splits)
+        return sequence_exchange(grad, receives, sends, backward, back, chunk_bytes)()
+
+
+_traced_pooled = define(
+    Collective(
+        "all_to_all_pooled",
+        (
+            ("SymInt[]", "batch_size_per_rank"),
+            ("SymInt[]", "dim_sum_per_rank"),
+            ("bool", "gradient_division"),
+        ),
+        all_to_all_pooled,
+        _pooled_gradient,
+        _pooled_shape,
+    )
+)
+_traced_sequence = define(
+    Collective(
+        "all_to_all_sequence",
+        (("SymInt[]", "input_splits"), ("SymInt[]", "output_splits")),
+        all_to_all_sequence,
+        _sequence_gradient,
+        _sequence_shape,
+    )
+)

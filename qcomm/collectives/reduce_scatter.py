@@ -21,6 +21,7 @@ from qcomm.collectives._args import (
     resolve_codecs,
 )
 from qcomm.collectives._call import begin
+from qcomm.collectives._compiled import Collective, define
 from qcomm.collectives._layouts import gather_blocks, sum_blocks
 from qcomm.collectives._pending import Pending
 
@@ -95,6 +96,9 @@ def reduce_scatter_pooled(
         6.0
         >>> dist.destroy_process_group()
     """
+    if torch.compiler.is_compiling():
+        own = (input_splits, gradient_division)
+        return _traced(input, own, group, codecs, chunk_bytes)
     with begin("reduce_scatter_pooled forward", group, input, "reduce_scatter_pooled") as call:
         pg, world = call.group, call.world
         with call.agreement as agree:
@@ -133,3 +137,49 @@ def reduce_scatter_pooled(
         return grad_input.div_(divide) if divide > 1 else grad_input
 
     return Pending(input, finish, backward_fn)
+
+
+def _splits(rows: Any, world: int, splits: list[Any] | None) -> list[Any]:
+    # Without splits, dim 0 in equal blocks (the call checks that it divides).
+    return [rows // world] * world if splits is None else list(splits)
+
+
+def _shape(
+    input_shape: list[Any],
+    rank: int,
+    world: int,
+    *,
+    input_splits: list[Any] | None,
+    gradient_division: bool,
+) -> list[Any]:
+    splits = _splits(input_shape[0], world, input_splits)
+    return [splits[rank] if rank < len(splits) else 0, *input_shape[1:]]
+
+
+def _gradient(
+    grad: torch.Tensor,
+    input_shape: list[int],
+    *,
+    input_splits: list[int] | None,
+    gradient_division: bool,
+    group: dist.ProcessGroup,
+    codecs: Any,
+    chunk_bytes: int | None,
+) -> torch.Tensor:
+    # A compiled graph's backward: the forward call has checked the arguments.
+    with begin("reduce_scatter_pooled backward", group, grad) as back:
+        backward = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
+        splits = _splits(input_shape[0], back.world, input_splits)
+        grad_input = gather_blocks(grad, splits, backward, back, chunk_bytes)()
+    return grad_input.div_(back.world) if gradient_division and back.world > 1 else grad_input
+
+
+_traced = define(
+    Collective(
+        "reduce_scatter_pooled",
+        (("SymInt[]?", "input_splits"), ("bool", "gradient_division")),
+        reduce_scatter_pooled,
+        _gradient,
+        _shape,
+    )
+)
