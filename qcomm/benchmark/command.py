@@ -18,7 +18,9 @@ from qcomm.benchmark.advice import DEFAULT_MAX_ERROR, parse_max_error, read_loss
 from qcomm.benchmark.link import parse_rate
 from qcomm.benchmark.options import (
     QUICK_SIZES,
+    TRAIN_COMPILE_BACKENDS,
     TRAIN_DEFAULTS,
+    TRAIN_LOOPS,
     TRAIN_MLP_DEFAULTS,
     TRAIN_MLP_QUICK,
     TRAIN_MODELS,
@@ -324,6 +326,22 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "the rest row-wise: the pooled all-to-all and the reduce-scatter), table_wise or "
         "row_wise. Default: mixed",
     )
+    parser.add_argument(
+        "--train-loop",
+        choices=TRAIN_LOOPS,
+        help="with --train (dlrm): the training loop of every series: pipeline (TorchRec's "
+        "TrainPipelineSparseDist, which starts the next batch's input distribution during "
+        "this one's step) or plain (forward, backward, optimizer, one batch at a time). "
+        "Default: pipeline",
+    )
+    parser.add_argument(
+        "--train-compile",
+        choices=TRAIN_COMPILE_BACKENDS,
+        help="with --train (dlrm): add compiled twins of the fp32, TorchRec int8/bf16 and qcomm "
+        "int8/bf16 series, whose dense part (dense arch, interaction, over arch) runs under "
+        "torch.compile with this backend; TorchRec's sharded embeddings stay eager. The "
+        "warm-up steps compile. Default: none",
+    )
 
 
 def _advice_config(args: argparse.Namespace, config: BenchConfig) -> None:
@@ -480,7 +498,10 @@ def _check_memory(config: BenchConfig, local_ranks: int) -> None:
 
 
 # The --train-* options of one model only.
-_MODEL_OPTIONS = {"dlrm": ("tables", "dim", "sharding"), "mlp": ("layers", "width")}
+_MODEL_OPTIONS = {
+    "dlrm": ("tables", "dim", "sharding", "loop", "compile"),
+    "mlp": ("layers", "width"),
+}
 
 
 def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
@@ -488,7 +509,12 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
     keys = [*TRAIN_DEFAULTS, *(k for k in TRAIN_MLP_DEFAULTS if k not in TRAIN_DEFAULTS)]
     given = {key: getattr(args, f"train_{key}") for key in keys}
     if not args.train:
-        extra = {"model": args.train_model, "sharding": args.train_sharding}
+        extra = {
+            "model": args.train_model,
+            "sharding": args.train_sharding,
+            "loop": args.train_loop,
+            "compile": args.train_compile,
+        }
         for key, value in {**extra, **given}.items():
             if value is not None:
                 raise ValueError(f"--train-{key}: applies to --train only; add --train")
@@ -517,7 +543,12 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
         defaults = TRAIN_MLP_QUICK if args.quick else TRAIN_MLP_DEFAULTS
     else:
         defaults = TRAIN_QUICK if args.quick else TRAIN_DEFAULTS
-    given_all = {**given, "sharding": args.train_sharding}
+    given_all = {
+        **given,
+        "sharding": args.train_sharding,
+        "loop": args.train_loop,
+        "compile": args.train_compile,
+    }
     for other, options in _MODEL_OPTIONS.items():
         for key in options:
             if other != model and given_all[key] is not None:
@@ -548,6 +579,8 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
         for key in ("tables", "dim"):
             setattr(config, f"train_{key}", given[key] or defaults[key])
         config.train_sharding = args.train_sharding or "mixed"
+        config.train_loop = args.train_loop or "pipeline"
+        config.train_compile = args.train_compile
         if config.train_dim % 4:
             # fbgemm's embedding kernels take rows of whole 4-element groups.
             raise ValueError(f"--train-dim: expected a multiple of 4, got {config.train_dim}")

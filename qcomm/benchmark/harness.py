@@ -42,6 +42,7 @@ from qcomm.types import codec_info
 
 __all__ = [
     "LOCAL",
+    "Compiles",
     "MemoryEstimate",
     "Run",
     "TrainModel",
@@ -82,6 +83,8 @@ class TrainSeries:
             series' steps).
         overlap (bool): qcomm's DDP hook returns its future at once and the
             backward pass goes on; ``False``: the hook waits for it first.
+        compile (str | None): the ``torch.compile`` backend of the model's
+            dense part (``--train-compile``), ``None``: eager.
     """
 
     label: str
@@ -91,6 +94,7 @@ class TrainSeries:
     dense: str | None = None
     torchrec_transport: bool = False
     overlap: bool = True
+    compile: str | None = None
 
     @property
     def unsummable_reduce_scatter(self) -> bool:
@@ -151,6 +155,38 @@ def round_steps(config: BenchConfig) -> list[int]:
     return [timed // rounds + (1 if r < timed % rounds else 0) for r in range(rounds)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Compiles:
+    r"""
+    What ``torch.compile`` did on a rank (``torch._dynamo``'s counters), or
+    during a series' steps: graphs compiled and graph breaks.
+
+    Args:
+        graphs (int): graphs compiled.
+        breaks (int): graph breaks.
+    """
+
+    graphs: int
+    breaks: int
+
+    @staticmethod
+    def now() -> Compiles:
+        r"""
+        now() -> Compiles
+
+        This process's totals so far.
+        """
+        from torch._dynamo.utils import counters
+
+        return Compiles(counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+
+    def __add__(self, other: Compiles) -> Compiles:
+        return Compiles(self.graphs + other.graphs, self.breaks + other.breaks)
+
+    def __sub__(self, other: Compiles) -> Compiles:
+        return Compiles(self.graphs - other.graphs, self.breaks - other.breaks)
+
+
 @dataclasses.dataclass
 class Run:
     r"""
@@ -170,6 +206,7 @@ class Run:
     samples: list[float] = dataclasses.field(default_factory=list)
     status: str = "ok"
     error: str | None = None
+    compiles: Compiles = dataclasses.field(default_factory=lambda: Compiles(0, 0))
 
 
 def series_group(session: Session, config: BenchConfig) -> Any:
@@ -226,7 +263,11 @@ def _block(
         # swap (signature checks, a class built) is no part of a step.
         with _transport(run.series):
             dist.barrier(group=session.work)
-            return _train(run, batches, steps, session.device, step)
+            before = Compiles.now()
+            seconds = _train(run, batches, steps, session.device, step)
+            # Counted after the clock: what compiled during the steps.
+            run.compiles += Compiles.now() - before
+            return seconds
 
     times, problem = agreed(session, timed)
     if times is None:
@@ -243,12 +284,15 @@ def timed_row(run: Run, row: _Row) -> _Row:
     timed_row(run: Run, row: TrainRow) -> TrainRow
 
     ``row`` with its series' timings: the median round, the fastest and the
-    slowest, every round and their spread.
+    slowest, every round and their spread; and what ``torch.compile`` did in
+    its steps.
 
     Args:
         run (Run): the series as it ran.
         row (TrainRow): its row.
     """
+    if run.status == "ok":
+        row.compiled_graphs, row.graph_breaks = run.compiles.graphs, run.compiles.breaks
     if run.status == "ok" and run.samples:
         row.step_s = statistics.median(run.samples)
         row.step_min_s, row.step_max_s = min(run.samples), max(run.samples)
@@ -370,10 +414,15 @@ def _run_rounds(
             progress.done()
         ok = [run for run in runs if run.status == "ok"]
         gathered = session.gather({run.series.label: [float(x) for x in run.losses] for run in ok})
+        compiles = session.gather({run.series.label: run.compiles for run in ok})
     finally:
         progress.close()
     if session.rank != 0:
         return None
+    # A rank that compiled more, or broke more graphs, speaks for the series.
+    for run in ok:
+        ranks = [rank[run.series.label] for rank in compiles]
+        run.compiles = Compiles(max(c.graphs for c in ranks), max(c.breaks for c in ranks))
     # The loss of a step: the mean of every rank's, each on its own batch.
     return {
         label: [

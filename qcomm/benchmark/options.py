@@ -66,6 +66,11 @@ TRAIN_ROWS = 4096
 TRAIN_DEFAULTS = {"tables": 16, "dim": 128, "batch": 2048, "steps": 52}
 #: how ``--train-sharding`` may shard the tables (``mixed``: half each way)
 TRAIN_SHARDINGS = ("mixed", "table_wise", "row_wise")
+#: the loops of ``--train-loop`` (DLRM): TorchRec's ``TrainPipelineSparseDist``, or
+#: a plain loop of forward, backward and optimizer
+TRAIN_LOOPS = ("pipeline", "plain")
+#: the ``torch.compile`` backends of ``--train-compile`` (DLRM)
+TRAIN_COMPILE_BACKENDS = ("inductor", "aot_eager")
 #: the same with ``--quick``, a smoke run
 TRAIN_QUICK = {"tables": 2, "dim": 8, "batch": 32, "steps": 5}
 #: the models of ``--train-model``: TorchRec's DLRM, sharded, or a plain MLP under DDP
@@ -392,6 +397,10 @@ class BenchConfig:
         train_model (str): its model, ``dlrm`` or ``mlp``
             (:mod:`~qcomm.benchmark.train_mlp`).
         train_tables (int): the DLRM's tables.
+        train_loop (str): the DLRM's training loop: ``pipeline`` (TorchRec's
+            ``TrainPipelineSparseDist``) or ``plain``.
+        train_compile (str | None): the ``torch.compile`` backend of the
+            compiled series (the DLRM's dense part), ``None``: none.
         train_sharding (str): how they are sharded: ``mixed`` (the first half
             table-wise, the rest row-wise), ``table_wise`` or ``row_wise``.
         train_dim (int): every table's embedding dimension.
@@ -430,6 +439,8 @@ class BenchConfig:
     train_model: str = "dlrm"
     train_tables: int = TRAIN_DEFAULTS["tables"]
     train_sharding: str = "mixed"
+    train_loop: str = "pipeline"
+    train_compile: str | None = None
     train_dim: int = TRAIN_DEFAULTS["dim"]
     train_batch: int = TRAIN_DEFAULTS["batch"]
     train_steps: int = TRAIN_DEFAULTS["steps"]

@@ -544,10 +544,15 @@ def _train_what(results: Results, train: DlrmTrain | MlpTrain) -> list[str]:
             f"{model.batch_per_rank} per rank; {steps}"
         )
     else:
+        loop = (
+            "TorchRec's TrainPipelineSparseDist"
+            if model.loop == "pipeline"
+            else "a plain loop (forward, backward, optimizer)"
+        )
         what = (
             f"TorchRec DLRM: {model.tables} tables of {model.rows} rows x {model.dim} "
             f"({model.table_wise} table-wise, {model.row_wise} row-wise), batch "
-            f"{model.batch_per_rank} per rank; {steps}"
+            f"{model.batch_per_rank} per rank, trained in {loop}; {steps}"
         )
     return [
         f"qcomm bench --train: {meta.world_size} ranks, {meta.backend} on "
@@ -561,13 +566,17 @@ def _train_what(results: Results, train: DlrmTrain | MlpTrain) -> list[str]:
 def _train_table(rows: list[DlrmRow] | list[MlpRow], mlp: bool) -> str:
     baseline, versus = ("default", "x fp16 hook") if mlp else ("fp32", "x TorchRec")
     header = ["series", "step ms", "min-max ms", "spread", f"x {baseline}", versus]
-    header += ["comm share", "loss", f"gap to {baseline}"]
+    header += ["comm share", "loss", f"gap to {baseline}", "graph breaks"]
+    compiled = any(isinstance(r, DlrmRow) and r.compile for r in rows)
+    if compiled:
+        header.append("x eager")
     table = []
     for r in rows:
         if r.status != "ok":
             table.append([r.label, r.status, *[""] * (len(header) - 2)])
             continue
         vs = _versus(r)
+        eager = r.vs_eager if isinstance(r, DlrmRow) else None
         table.append(
             [
                 r.label,
@@ -579,6 +588,8 @@ def _train_table(rows: list[DlrmRow] | list[MlpRow], mlp: bool) -> str:
                 "-" if r.comm_share is None else f"{100 * r.comm_share:.0f}%",
                 "-" if r.loss is None else f"{r.loss:.5f}",
                 "-" if r.loss_gap is None else f"{r.loss_gap:+.2g}",
+                "-" if r.graph_breaks is None else str(r.graph_breaks),
+                *([] if not compiled else ["-" if eager is None else f"x{eager:.2f}"]),
             ]
         )
     return format_table(header, table, text_columns=1)
@@ -604,8 +615,21 @@ def _train_legend(train: DlrmTrain | MlpTrain) -> list[str]:
         "optimizers); 'x fp32': fp32's step over the series'; 'x TorchRec': TorchRec's "
         "codecs with the same all-to-all pair over the series'; 'comm share': 1 - (one "
         "rank alone, no collective) / step; loss: the last step's, mean over ranks, every "
-        "series from the same weights on the same batches.",
+        "series from the same weights on the same batches; 'graph breaks': torch.compile's "
+        "in the series' steps.",
     ]
+    if any(r.compile for r in train.series):
+        backend = next(r.compile for r in train.series if r.compile)
+        lines.append(
+            f"', compiled': the dense part (dense arch, interaction, over arch) under "
+            f"torch.compile ({backend}), the sharded embeddings eager; the warm-up steps "
+            f"compile; 'x eager': the same series' eager step over the compiled one's."
+        )
+    if train.model.loop == "pipeline":
+        lines.append(
+            "Every series but the one-rank reference (no sharded module to pipeline: a "
+            "plain loop) runs in TorchRec's pipeline."
+        )
     if not train.reduce_scatter_on_qcomm:
         lines.append(
             f"TorchRec's reduce-scatter with a qcomm codec ran on TorchRec's transport: "

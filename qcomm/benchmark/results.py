@@ -368,6 +368,7 @@ class DlrmModel:
     steps: int = _part(default=0)
     warm_up_steps: int = _part(default=0)
     steps_per_round: list[int] = _part(default=())
+    loop: str = _part(default="plain")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -296,6 +296,14 @@ class TrainRow:
     )
     loss_gap: float | None = column("loss - fp32's loss")
     losses: list[float] | None = column("every step's loss, warm-up included, mean over ranks")
+    compiled_graphs: int | None = column(
+        "graphs torch.compile compiled during the series' steps (warm-up included), most over "
+        "ranks; 0 for an eager series"
+    )
+    graph_breaks: int | None = column(
+        "graph breaks torch.compile took during the series' steps (warm-up included), most "
+        "over ranks"
+    )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -310,7 +318,18 @@ class DlrmRow(TrainRow):
         "the registry's codecs travel on TorchRec's own transport, not qcomm's exchange"
     )
     vs_torchrec: float | None = column(
-        "step_s of TorchRec's codecs with the same pooled all-to-all pair / step_s"
+        "step_s of TorchRec's codecs with the same pooled all-to-all pair (and the same "
+        "compile) / step_s"
+    )
+    compile: str | None = column(
+        "the torch.compile backend of the dense part (--train-compile), null for eager"
+    )
+    vs_eager: float | None = column("step_s of the same series eager / step_s, compiled ones")
+    pipelined_batches: int | None = column(
+        "batches TorchRec's TrainPipelineSparseDist loaded (its own count), null for the plain loop"
+    )
+    pipelined_modules: int | None = column(
+        "sharded modules whose input distribution TorchRec's pipeline took over"
     )
 
 

@@ -3,7 +3,10 @@ The training-step benchmark of ``qcomm bench --train`` (see :doc:`/bench`,
 "Training steps"): TorchRec's DLRM sharded by ``DistributedModelParallel``
 over the bench's ranks, trained with each configuration of codecs (a
 :class:`~qcomm.benchmark.harness.TrainSeries`) in turn, every one from the same weights on the same
-batches, and timed step by step in interleaved rounds.
+batches, and timed step by step in interleaved rounds; by default in
+TorchRec's ``TrainPipelineSparseDist`` (``--train-loop``), with
+``--train-compile`` compiled twins of three series whose dense part runs
+under ``torch.compile``.
 
 By default half the tables are sharded table-wise (TorchRec's pooled
 all-to-all) and half row-wise (its pooled reduce-scatter), so both embedding
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -64,6 +68,8 @@ LEARNING_RATE = 1.0
 # that most of what there is to learn goes through the embeddings.
 DENSE_SIGNAL = 0.5
 TABLE_SIGNAL = 2.0
+
+_PIPELINE = "pipeline"
 
 _A2A = CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.value
 _RS = CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value
@@ -136,7 +142,9 @@ def train_series(config: BenchConfig) -> list[TrainSeries]:
     The series of a ``--train`` run, in the report's order (each round
     runs them in an order of its own, drawn from the seed): float32, TorchRec's codecs (left out with ``--no-fbgemm``), qcomm's
     registries, qcomm's DDP hook on top of one, the advice's pick
-    (:func:`advice_pick`), and the reference :data:`~qcomm.benchmark.harness.LOCAL`.
+    (:func:`advice_pick`), with ``--train-compile`` the compiled twins of
+    float32 and of both int8/bf16 series, and the reference
+    :data:`~qcomm.benchmark.harness.LOCAL`.
 
     Args:
         config (BenchConfig): the run's settings.
@@ -183,25 +191,30 @@ def train_series(config: BenchConfig) -> list[TrainSeries]:
     else:
         pair = parse_registry_string(pick)[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL]
         series.append(TrainSeries(f"advice: {pair}", "qcomm", pair, pick))
+    if config.train_compile:
+        # Compiled twins of no codec and of both int8/bf16 series: against
+        # their eager selves, what compiling buys; against each other, qcomm
+        # over TorchRec with the same compiled dense part.
+        twins = {"fp32", "torchrec int8/bf16", "qcomm int8/bf16"}
+        series += [
+            dataclasses.replace(s, label=f"{s.label}, compiled", compile=config.train_compile)
+            for s in series
+            if s.label in twins
+        ]
     return [*series, TrainSeries(LOCAL, "local")]
-
-
-@dataclasses.dataclass
-class _Batch:
-    dense: torch.Tensor
-    sparse: Any  # KeyedJaggedTensor
-    labels: torch.Tensor
 
 
 def _features(tables: int) -> list[str]:
     return [f"f{t}" for t in range(tables)]
 
 
-def _batches(config: BenchConfig, rank: int, device: torch.device) -> list[_Batch]:
-    # This rank's batch of every step, the same for every series. Labels
-    # come from a hidden teacher (a score per row of every table, and a
-    # linear function of the dense features) so that the loss can fall.
+def _batches(config: BenchConfig, rank: int, device: torch.device) -> list[Any]:
+    # This rank's batch of every step (TorchRec's Batch, which its pipeline
+    # can move and prefetch), the same for every series. Labels come from a
+    # hidden teacher (a score per row of every table, and a linear function
+    # of the dense features) so that the loss can fall.
     from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
 
     tables, n = config.train_tables, config.train_batch
     teacher = torch.Generator().manual_seed(config.seed)
@@ -223,7 +236,7 @@ def _batches(config: BenchConfig, rank: int, device: torch.device) -> list[_Batc
         sparse = KeyedJaggedTensor.from_lengths_sync(
             keys=_features(tables), values=ids, lengths=lengths.reshape(-1)
         )
-        out.append(_Batch(dense.to(device), sparse.to(device), labels.to(device)))
+        out.append(Batch(dense.to(device), sparse.to(device), labels.to(device)))
     return out
 
 
@@ -253,17 +266,30 @@ def _load_tables(model: torch.nn.Module, config: BenchConfig) -> None:
 
 
 def _dlrm(config: BenchConfig, ebc: Any, device: torch.device) -> Any:
-    from torchrec.models.dlrm import DLRM
+    # DLRMTrain: a batch in, the BCE loss out, as TorchRec's pipeline calls it.
+    from torchrec.models.dlrm import DLRM, DLRMTrain
 
     dim = config.train_dim
     torch.manual_seed(config.seed)  # the dense layers' initial weights
-    return DLRM(
-        embedding_bag_collection=ebc,
-        dense_in_features=DENSE_FEATURES,
-        dense_arch_layer_sizes=[2 * dim, dim],
-        over_arch_layer_sizes=[256, 64, 1],
-        dense_device=device,
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=DENSE_FEATURES,
+            dense_arch_layer_sizes=[2 * dim, dim],
+            over_arch_layer_sizes=[256, 64, 1],
+            dense_device=device,
+        )
     )
+
+
+def _compile_dense(model: torch.nn.Module, backend: str) -> None:
+    # The parts of the DLRM that are not sharded, compiled in place (their
+    # parameters keep their names); the sharded embeddings stay eager.
+    from torchrec.models.dlrm import DLRM
+
+    dlrm = next(m for m in model.modules() if isinstance(m, DLRM))
+    for part in (dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch):
+        part.compile(backend=backend)
 
 
 def _table_configs(config: BenchConfig) -> list[Any]:
@@ -375,7 +401,7 @@ def _sharded_model(
     dmp = DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(group),
-        plan=ShardingPlan({"sparse_arch.embedding_bag_collection": plan}),
+        plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
         sharders=[sharder],
         device=device,
     )
@@ -384,6 +410,8 @@ def _sharded_model(
         state, hook = qcomm.ddp_comm_hook(series.dense, error_feedback=True)
         ddp.register_comm_hook(state, hook)
     _load_tables(dmp, config)
+    if series.compile is not None:
+        _compile_dense(dmp, series.compile)
     dense = [p for name, p in dmp.named_parameters() if "embedding_bags" not in name]
     return dmp, torch.optim.SGD(dense, lr=LEARNING_RATE)
 
@@ -428,14 +456,26 @@ def _build(session: Session, config: BenchConfig, run: Run, refused: str | None)
         run.model, run.optimizer = built
 
 
-def _dlrm_step(run: Run, batch: _Batch) -> torch.Tensor:
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(
-        run.model(batch.dense, batch.sparse).squeeze(-1), batch.labels
-    )
+def _plain_step(run: Run, batch: Any) -> torch.Tensor:
+    loss: torch.Tensor = run.model(batch)[0]
     run.optimizer.zero_grad()
     torch.autograd.backward(loss)  # the tables' fused optimizer steps in here
     run.optimizer.step()
     return loss
+
+
+def _pipeline(run: Run, device: torch.device) -> Any:
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    return TrainPipelineSparseDist(run.model, run.optimizer, device)
+
+
+def _pipeline_counts(pipeline: Any) -> tuple[int | None, int | None]:
+    # What the pipeline itself says it did: batches loaded, and sharded
+    # modules whose input distribution it took over (TorchRec's own fields).
+    batches = getattr(pipeline, "_batch_count", None)
+    modules = getattr(pipeline, "_pipelined_modules", None)
+    return batches, None if modules is None else len(modules)
 
 
 def _refused() -> str | None:
@@ -448,16 +488,32 @@ def _refused() -> str | None:
 
 
 def _torchrec_counterpart(row: DlrmRow, ok: dict[str, DlrmRow]) -> DlrmRow | None:
-    # A qcomm series' TorchRec series with the same pooled all-to-all pair.
+    # A qcomm series' TorchRec series with the same pooled all-to-all pair,
+    # compiled alike.
     if row.kind != "qcomm":
         return None
-    return next((r for r in ok.values() if r.kind == "torchrec" and r.pair == row.pair), None)
+    return next(
+        (
+            r
+            for r in ok.values()
+            if r.kind == "torchrec" and r.pair == row.pair and r.compile == row.compile
+        ),
+        None,
+    )
+
+
+def _eager_twin(row: DlrmRow, ok: dict[str, DlrmRow]) -> DlrmRow | None:
+    # A compiled series' eager self.
+    if row.compile is None:
+        return None
+    return ok.get(row.label.removesuffix(", compiled"))
 
 
 # Models a rank of --train holds: a shard of each sharded series' model (8),
 # and the whole model of the reference series; the batches' activations and
 # gradients take a few dozen floats per sample and embedding column.
 _TRAIN_MODELS = 8
+_COMPILED_TWINS = 3
 _TRAIN_FLOATS_PER_ACTIVATION = 32
 
 
@@ -467,12 +523,18 @@ class Dlrm:
     (:class:`~qcomm.benchmark.harness.TrainModel`): sharded by
     ``DistributedModelParallel``, one series per configuration of codecs
     (:func:`train_series`). One per run: it keeps whether TorchRec's
-    reduce-scatter runs on qcomm's exchange.
+    reduce-scatter runs on qcomm's exchange, and with ``--train-loop
+    pipeline`` each series' ``TrainPipelineSparseDist``.
     """
 
     def __init__(self) -> None:
         # Why qcomm's exchange does not carry TorchRec's reduce-scatter (None: it does).
         self.refused: str | None = None
+        # Each series' pipeline and the one iterator over the batches it
+        # draws from: the pipeline holds the next batch between blocks, as
+        # between any two steps.
+        self.pipelines: dict[str, tuple[Any, Iterator[Any]]] = {}
+        self.batches: list[Any] = []
 
     def series(self, config: BenchConfig) -> list[TrainSeries]:
         r"""
@@ -495,7 +557,8 @@ class Dlrm:
             config (BenchConfig): the run's settings.
         """
         columns = config.train_tables * config.train_dim
-        tables = 4 * ROWS * columns * (_TRAIN_MODELS / config.world_size + 1)
+        models = _TRAIN_MODELS + (_COMPILED_TWINS if config.train_compile else 0)
+        tables = 4 * ROWS * columns * (models / config.world_size + 1)
         activations = (
             4 * _TRAIN_FLOATS_PER_ACTIVATION * config.world_size * config.train_batch * columns
         )
@@ -517,16 +580,17 @@ class Dlrm:
             config (BenchConfig): the run's settings.
             runs (list[Run]): every series of the run.
         """
-        batches = _batches(config, session.rank, session.device)
+        self.batches = _batches(config, session.rank, session.device)
         if any(run.series.unsummable_reduce_scatter for run in runs):
             self.refused = _refused()
-        return batches
+        return self.batches
 
     def build(self, session: Session, config: BenchConfig, run: Run) -> None:
         r"""
         build(session: Session, config: BenchConfig, run: Run) -> None
 
-        Builds a series' sharded model (or the reference's), or skips it.
+        Builds a series' sharded model (or the reference's) and, with
+        ``--train-loop pipeline``, its pipeline; or skips it.
 
         Args:
             session (Session): this rank's device and process groups.
@@ -534,18 +598,33 @@ class Dlrm:
             run (Run): the series.
         """
         _build(session, config, run, self.refused)
+        # The reference has no sharded module for the pipeline to take over
+        # (TorchRec's pipeline cannot trace it): it keeps the plain loop.
+        if run.status == "ok" and config.train_loop == _PIPELINE and run.series.kind != "local":
+            self.pipelines[run.series.label] = (
+                _pipeline(run, session.device),
+                iter(self.batches),
+            )
 
     def step(self, run: Run, batch: Any) -> torch.Tensor:
         r"""
         step(run: Run, batch: Any) -> Tensor
 
-        A step: forward, BCE loss, backward (the tables' optimizer steps in it), SGD.
+        A step: forward, BCE loss, backward (the tables' optimizer steps in
+        it), SGD; in TorchRec's pipeline, which also starts the next batch's
+        input distribution and draws ``batch`` itself from the series'
+        iterator over the same batches.
 
         Args:
             run (Run): the series.
             batch (Any): this step's batch, one of those ``prepare`` made.
         """
-        return _dlrm_step(run, batch)
+        piped = self.pipelines.get(run.series.label)
+        if piped is None:
+            return _plain_step(run, batch)
+        pipeline, batches = piped
+        loss: torch.Tensor = pipeline.progress(batches)[0]
+        return loss
 
     def results(
         self, config: BenchConfig, runs: list[Run], losses: dict[str, list[float]]
@@ -570,14 +649,24 @@ class Dlrm:
                     registry=run.series.registry,
                     ddp_hook=f"{run.series.dense}+ef" if run.series.dense else None,
                     torchrec_transport=run.series.torchrec_transport,
+                    compile=run.series.compile,
                     status=run.status,
                     error=run.error,
                 ),
             )
             for run in runs
         ]
+        for row in rows:
+            if row.label in self.pipelines:
+                counts = _pipeline_counts(self.pipelines[row.label][0])
+                row.pipelined_batches, row.pipelined_modules = counts
         for row, ratio in zip(rows, add_figures(rows, losses, "fp32", _torchrec_counterpart)):
             row.vs_torchrec = ratio
+        ok = {r.label: r for r in rows if r.status == "ok"}
+        for row in rows:
+            twin = _eager_twin(row, ok) if row.status == "ok" else None
+            if twin is not None and twin.step_s and row.step_s:
+                row.vs_eager = twin.step_s / row.step_s
         gbps = link_gbps(config)
         model = DlrmModel(
             tables=config.train_tables,
@@ -592,6 +681,7 @@ class Dlrm:
             steps=config.train_steps,
             warm_up_steps=TRAIN_WARM_UP_STEPS,
             steps_per_round=round_steps(config),
+            loop=config.train_loop,
         )
         return DlrmTrain(
             model=model,

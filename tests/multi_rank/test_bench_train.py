@@ -1,5 +1,6 @@
-"""`qcomm bench --train`: one smoke run on 2 local gloo ranks checked figure by
-figure against its own samples, the series and the advice's rule, and the
+"""`qcomm bench --train`: one smoke run on 2 local gloo ranks (TorchRec's
+pipeline, with compiled series) checked figure by figure against its own
+samples, one in the plain loop, the series and the advice's rule, and the
 options, refused before any rank starts."""
 
 from __future__ import annotations
@@ -39,16 +40,27 @@ def _strict_json(path: pathlib.Path) -> dict:
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    """One `qcomm bench --train --quick` on 2 ranks: a tiny model, 5 steps."""
+def _spawn(tmp_path_factory, *argv: str):
     out = tmp_path_factory.mktemp("train") / "train.json"
     with pytest.MonkeyPatch.context() as mp:
         for name in LAUNCHER_VARS:
             mp.delenv(name, raising=False)
-        config = _config("--train", "--quick", "--json", str(out))
+        config = _config("--train", "--quick", *argv, "--json", str(out))
         status = spawn_local(config)
     return config, status, _strict_json(out)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One `qcomm bench --train --quick` on 2 ranks: a tiny model, 5 steps, in
+    TorchRec's pipeline (the default), with compiled series (aot_eager)."""
+    return _spawn(tmp_path_factory, "--train-compile", "aot_eager")
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The same in the plain loop, without TorchRec's codecs (fewer series)."""
+    return _spawn(tmp_path_factory, "--train-loop", "plain", "--no-fbgemm")
 
 
 def _close(a: float, b: float) -> bool:
@@ -74,7 +86,7 @@ def test_smoke_run_has_every_series_with_its_figures(smoke, capfd):
     ok = [r for r in rows.values() if r["status"] == "ok"]
     assert {"fp32", LOCAL, "qcomm fp16/fp16", "torchrec fp16/fp16"} <= {r["label"] for r in ok}
     fp32, local = rows["fp32"], rows[LOCAL]
-    torchrec = {r["pair"]: r for r in ok if r["kind"] == "torchrec"}
+    torchrec = {(r["pair"], r["compile"]): r for r in ok if r["kind"] == "torchrec"}
     for r in ok:
         samples = r["samples_s"]
         assert len(samples) == config.rounds
@@ -82,8 +94,9 @@ def test_smoke_run_has_every_series_with_its_figures(smoke, capfd):
         assert r["step_s"] == statistics.median(samples)
         assert r["step_min_s"] == min(samples) and r["step_max_s"] == max(samples)
         assert _close(r["speedup"], fp32["step_s"] / r["step_s"])
-        if r["kind"] == "qcomm" and r["pair"] in torchrec:
-            assert _close(r["vs_torchrec"], torchrec[r["pair"]]["step_s"] / r["step_s"])
+        theirs = torchrec.get((r["pair"], r["compile"]))
+        if r["kind"] == "qcomm" and theirs is not None:
+            assert _close(r["vs_torchrec"], theirs["step_s"] / r["step_s"])
         else:
             assert r["vs_torchrec"] is None
         assert len(r["losses"]) == config.train_steps
@@ -95,6 +108,7 @@ def test_smoke_run_has_every_series_with_its_figures(smoke, capfd):
         assert r["loss"] == r["losses"][-1]
         assert _close(r["loss_gap"], r["loss"] - fp32["loss"])
     assert rows["qcomm fp16/fp16"]["vs_torchrec"] is not None
+    assert rows["qcomm int8/bf16, compiled"]["vs_torchrec"] is not None
     # The DDP hook runs: the same first step, then its int8 dense gradients.
     plain, hooked = rows["qcomm fp16/fp16"]["losses"], rows["qcomm fp16/fp16 + DDP int8"]["losses"]
     assert hooked[0] == plain[0] and hooked[1:] != plain[1:]
@@ -111,18 +125,79 @@ def test_smoke_run_has_every_series_with_its_figures(smoke, capfd):
     assert set(results["units"]) >= {"step_s", "speedup", "vs_torchrec", "comm_share", "loss"}
 
 
-def test_the_text_report_shows_every_series(smoke, tmp_path, capsys):
+def test_the_text_report_shows_every_series(smoke, plain, tmp_path, capsys):
     from qcomm.benchmark.report import format_train_report
 
     _, _, results = smoke
     text = format_train_report(results)
     assert "x fp32" in text and "comm share" in text and "gap to fp32" in text
+    assert "trained in TorchRec's TrainPipelineSparseDist" in text
+    assert "graph breaks" in text and "x eager" in text and "torch.compile (aot_eager)" in text
     for row in results["train"]["series"]:
         line = next(x for x in text.splitlines() if x.startswith(row["label"] + "  "))
         if row["status"] == "ok":
             assert f"x{row['speedup']:.2f}" in line
+            assert line.split()[-2] == "0"  # graph breaks, then x eager
         else:
             assert row["status"] in line
+    text = format_train_report(plain[2])
+    assert "trained in a plain loop" in text and "x eager" not in text
+
+
+def test_the_default_loop_is_torchrecs_pipeline(smoke):
+    config, _, results = smoke
+    train = results["train"]
+    assert config.train_loop == "pipeline" and train["model"]["loop"] == "pipeline"
+    for r in train["series"]:
+        if r["status"] != "ok":
+            continue
+        if r["kind"] == "local":
+            # Nothing sharded to pipeline: the reference keeps the plain loop.
+            assert r["pipelined_batches"] is None, r
+            continue
+        # TorchRec's own counts: it loaded every batch of the series and took
+        # over the input distribution of the sharded embedding collection.
+        assert (r["pipelined_batches"], r["pipelined_modules"]) == (config.train_steps, 1), r
+
+
+def test_the_plain_loop_trains_as_the_pipeline(smoke, plain):
+    config, status, results = plain
+    assert status == 0
+    assert config.train_loop == "plain" and results["train"]["model"]["loop"] == "plain"
+    piped = {r["label"]: r for r in smoke[2]["train"]["series"] if r["status"] == "ok"}
+    rows = [r for r in results["train"]["series"] if r["status"] == "ok"]
+    assert {"fp32", "qcomm int8/bf16", LOCAL} <= {r["label"] for r in rows}
+    for r in rows:
+        assert r["pipelined_batches"] is None and r["pipelined_modules"] is None, r
+        # The pipeline reorders when a batch's collectives start, not what
+        # they compute: the same losses, bit for bit.
+        assert r["losses"] == piped[r["label"]]["losses"], r["label"]
+
+
+def test_a_compiled_series_has_no_graph_break_and_trains_as_eager(smoke):
+    config, _, results = smoke
+    rows = {r["label"]: r for r in results["train"]["series"]}
+    compiled = [r for r in rows.values() if r["compile"] is not None]
+    assert [r["label"] for r in compiled] == [
+        "fp32, compiled",
+        "torchrec int8/bf16, compiled",
+        "qcomm int8/bf16, compiled",
+    ]
+    for r in rows.values():
+        if r["status"] != "ok":
+            continue
+        assert r["graph_breaks"] == 0, r
+        if r["compile"] is None:
+            assert r["compiled_graphs"] == 0 and r["vs_eager"] is None, r
+            continue
+        assert r["compile"] == "aot_eager"
+        eager = rows[r["label"].removesuffix(", compiled")]
+        assert _close(r["vs_eager"], eager["step_s"] / r["step_s"])
+        # Same weights, same batches: float32 rounding apart, the same losses.
+        assert r["losses"] == pytest.approx(eager["losses"], rel=1e-5), r["label"]
+    # The first compiled series compiled the dense arch, the interaction and
+    # the over arch (forward); the others reuse the graphs (same code).
+    assert rows["fp32, compiled"]["compiled_graphs"] >= 3
 
 
 def test_the_series_and_their_registries():
@@ -184,6 +259,15 @@ def test_train_options(monkeypatch, tmp_path):
     assert not _config().train
     assert _config("--train", "--train-sharding", "row_wise").train_sharding == "row_wise"
     assert _config("--train", "--train-model", "dlrm", "--train-dim", "64").train_dim == 64
+    assert (config.train_loop, config.train_compile) == ("pipeline", None)
+    looped = _config("--train", "--train-loop", "plain", "--train-compile", "inductor")
+    assert (looped.train_loop, looped.train_compile) == ("plain", "inductor")
+    assert BenchConfig.from_json(looped.to_json()).train_compile == "inductor"
+    for option in (["--train-loop", "plain"], ["--train-compile", "aot_eager"]):
+        with pytest.raises(ValueError, match=f"{option[0]}: applies to --train only"):
+            _config(*option)
+        with pytest.raises(ValueError, match=f"{option[0]}: applies to --train-model dlrm only"):
+            _config("--train", "--train-model", "mlp", *option)
     with pytest.raises(ValueError, match="--train-dim: applies to --train only"):
         _config("--train-dim", "64")
     with pytest.raises(ValueError, match="--train-dim: expected a multiple of 4, got 6"):
