@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from qcomm import _events, config
+from qcomm.collectives._compiled import constant_result
 from qcomm.errors import CodecError
 from qcomm.ops import CommOp
 from qcomm.types import HostCodecs, QuantizedCommCodecs, codec_info
@@ -410,7 +411,7 @@ _warned: set[tuple[str, str]] = set()
 
 # Under torch.compile, run while tracing (once per trace) and not traced: a
 # warning cannot be part of a graph.
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+@constant_result
 def _warn_once(name: str, reason: str) -> bool:
     """Warns that a call of ``comm_ops.<name>`` with a qcomm pair runs on TorchRec's
     own transport, and why; once per function and reason."""

@@ -102,11 +102,23 @@ def _group_name(group: Any) -> str:
     return resolve_group(group)[0].group_name
 
 
+def constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """
+    Marks ``fn`` as ``torch.compiler.assume_constant_result`` does: while
+    tracing, dynamo runs it with the real arguments and the graph holds its
+    result as a constant. The mark is set here, as that function sets it,
+    because calling it imports ``torch._dynamo``: a process that never
+    compiles should not pay for that import, and with it imported, ranks
+    spawned by ``tools/gpu_check.py`` aborted at exit.
+    """
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
 # Run while tracing, with the real objects (the graph holds their results as
 # constants, guarded on the objects).
-_constant: Any = torch.compiler.assume_constant_result  # untyped in torch's stubs
-object_key: Callable[[Any], str] = _constant(_object_key)
-group_name: Callable[[Any], str] = _constant(_group_name)
+object_key: Callable[[Any], str] = constant_result(_object_key)
+group_name: Callable[[Any], str] = constant_result(_group_name)
 
 
 def ordered(op: Any) -> None:

@@ -4,6 +4,9 @@ what they cannot do."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from counting import counting
@@ -71,3 +74,14 @@ def test_a_call_is_waited_for_once() -> None:
     assert torch.equal(torch.ops.qcomm.all_to_all_pooled_wait(*args), x)
     with pytest.raises(CodecError, match="waited for already"):
         torch.ops.qcomm.all_to_all_pooled_wait(*args)
+
+
+def test_importing_qcomm_does_not_import_the_compiler() -> None:
+    # torch._dynamo costs a process that never compiles its import, and with
+    # it imported, spawned ranks of tools/gpu_check.py aborted at exit.
+    code = (
+        "import sys, qcomm, qcomm.collectives, qcomm.torchrec_exchange\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "False", found.stderr
