@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -94,10 +95,14 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> None:
         for name, values in rows.items():
             median = statistics.median(values)
             print(f"{name:34} {median:8.2f} {min(values):8.2f} {max(values):8.2f}")
-        alone = statistics.median(rows["compute alone"]) + statistics.median(rows["call alone"])
+        compute_ms = statistics.median(rows["compute alone"])
         for mode in ("eager", "compiled", "compiled in order"):
+            # Against the call of the same kind, eager or compiled.
+            call_ms = statistics.median(
+                rows["call alone" + ("" if mode == "eager" else ", compiled")]
+            )
             both = statistics.median(rows[f"call + compute, {mode}"])
-            print(f"{mode}: {both / alone:.2f} of compute + call apart")
+            print(f"{mode}: {both / (compute_ms + call_ms):.2f} of compute + call apart")
     dist.destroy_process_group()
 
 
@@ -109,7 +114,7 @@ def _launch(args: argparse.Namespace) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(port))
     env["WORLD_SIZE"] = str(args.world_size)
     link = Link(args.world_size, parse_rate(args.link)) if args.link else None
-    with link or _no_link():
+    with link or contextlib.nullcontext():
         env["MASTER_ADDR"] = link.address(0) if link else "127.0.0.1"
         if link:
             env["GLOO_SOCKET_IFNAME"] = link.interface
@@ -119,14 +124,6 @@ def _launch(args: argparse.Namespace) -> None:
             children.append(subprocess.Popen(link.command(rank, argv) if link else argv, env=env))
         if any(child.wait() for child in children):
             raise SystemExit("a rank failed")
-
-
-class _no_link:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main() -> None:

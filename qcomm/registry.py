@@ -291,7 +291,7 @@ def _check_reduce_scatter(
     # reduce_scatter_pooled decode every part and sum in float32, and gather
     # the gradient decoded. So the rule holds only where the route is chosen
     # to be TorchRec's; a call that lands there by another way (a setting
-    # changed later, its own all_to_all_single_comm) is refused when it is made.
+    # changed later) is refused when it is made.
     why = torchrec_exchange._chosen_route()
     if why is None:
         return

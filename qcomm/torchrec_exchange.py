@@ -385,7 +385,7 @@ def _replacement(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         ours = _ours(given["codecs"], group)
         if custom or not ours:
             if name in _SUMMED:
-                _refuse_summed_wires(name, given["codecs"], group, custom)
+                _refuse_summed_wires(name, given["codecs"], group)
             if custom and ours:
                 _warn_once(name, "the call passes its own all_to_all_single_comm")
             return original(*args, **kwargs)
@@ -474,7 +474,7 @@ def _uncarried(pair: Any) -> list[str]:
     return problems
 
 
-def _refuse_summed_wires(name: str, codecs: Any, group: Any, custom: bool) -> None:
+def _refuse_summed_wires(name: str, codecs: Any, group: Any) -> None:
     # A qcomm pair that build_registry let through for qcomm's exchange but
     # whose call goes to TorchRec's transport after all: its result would be
     # silently wrong, so every rank (all take the same route) raises instead.
@@ -483,7 +483,8 @@ def _refuse_summed_wires(name: str, codecs: Any, group: Any, custom: bool) -> No
     problems = _uncarried(codecs)
     if not problems:
         return
-    why = "the call's own all_to_all_single_comm" if custom else _route(due=False).reason
+    # (TorchRec's reduce-scatters take no all_to_all_single_comm of their own.)
+    why = _route(due=False).reason
     raise CodecError(
         f"comm_ops.{name}: this call runs on TorchRec's own transport ({why}), which sums "
         f"the ranks' wires as they are, and the registry's POOLED_EMBEDDINGS_REDUCE_SCATTER "

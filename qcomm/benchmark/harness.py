@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
@@ -176,6 +177,8 @@ class Compiles:
 
         This process's totals so far.
         """
+        if "torch._dynamo" not in sys.modules:
+            return Compiles(0, 0)  # nothing compiled: not worth importing the compiler
         from torch._dynamo.utils import counters
 
         return Compiles(counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))

@@ -35,6 +35,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from qcomm import _events
 from qcomm.awaitable import Awaitable
 from qcomm.collectives._args import resolve_group
+from qcomm.collectives._transport import next_number
 from qcomm.errors import CodecError
 from qcomm.types import HostCodecs, codec_info
 
@@ -124,8 +125,9 @@ group_name: Callable[[Any], str] = constant_result(_group_name)
 def ordered(op: Any) -> None:
     """
     Registers ``op`` as an ordered effect: the compiler keeps it where its
-    output is unused (its peers wait for the call) and never moves it past
-    another (the ranks' calls must pair in order).
+    output is unused (its peers wait for the call). The order of the calls
+    is kept by :func:`_chained_with_inner` (inductor reordered effectful
+    operators of ranks whose shapes differ, effects registered or not).
     """
     _register_effectful_op(op, _EffectType.ORDERED)
 
@@ -153,9 +155,10 @@ class Collective:
             each parameter between the input and :data:`_COMMON`, as the
             public function names it.
         eager (Callable): the public function.
-        gradient (Callable): ``gradient(grad, input_shape, **keywords)``,
-            the input's gradient through the inverse collective (keywords:
-            the public function's, ``group`` and ``codecs`` resolved).
+        gradient (Callable): ``gradient(grad, name, input_shape, **keywords)``,
+            the input's gradient through the inverse collective, a call named
+            ``name`` (keywords: the public function's, ``group`` and
+            ``codecs`` resolved).
         shape (Callable): ``shape(input_shape, rank, world, **own)``, the
             output's shape, for the fake implementation; it does not check
             (invalid arguments raise in the call, on every rank).
@@ -206,7 +209,7 @@ def define(collective: Collective) -> Callable[..., Awaitable[torch.Tensor]]:
     )
     backward_op = opaque(
         f"{name}_backward",
-        collective.schema("Tensor grad, SymInt[] input_shape"),
+        collective.schema("Tensor grad, Tensor handle, SymInt[] input_shape"),
         _backward_impl(collective),
         _backward_fake,
     )
@@ -276,25 +279,26 @@ def _chained_with_inner(
     return getattr(torch.ops.qcomm, name).default, inner
 
 
-# The last output of a qcomm operator in the graph being traced, and the
-# tracer (weakly held: a graph traced is let go).
-_last: tuple[weakref.ref[Any], weakref.ref[torch.Tensor]] | None = None
+# The last output of a qcomm operator in the graph this thread traces, and
+# the tracer (weakly held: a graph traced is let go).
+_tracing = threading.local()
 
 
 def after() -> torch.Tensor | None:
     """What the next qcomm operator of the graph being traced comes after (``None`` when not tracing)."""
     tracer = get_proxy_mode()
-    if tracer is None or _last is None or _last[0]() is not tracer:
+    last = getattr(_tracing, "last", None)
+    if tracer is None or last is None or last[0]() is not tracer:
         return None
-    return _last[1]()
+    output: torch.Tensor | None = last[1]()
+    return output
 
 
 def follow(output: torch.Tensor) -> torch.Tensor:
     """Makes ``output`` what the next qcomm operator of the graph being traced comes after."""
-    global _last
     tracer = get_proxy_mode()
     if tracer is not None:
-        _last = (weakref.ref(tracer), weakref.ref(output))
+        _tracing.last = (weakref.ref(tracer), weakref.ref(output))
     return output
 
 
@@ -323,20 +327,24 @@ _ANCHOR = torch.zeros((), requires_grad=True)
 def _start_impl(collective: Collective) -> Callable[..., torch.Tensor]:
     def start(input: torch.Tensor, *values: Any) -> torch.Tensor:
         _events.emit("compiled_call", f"{collective.name}_start")
+        given = collective.keywords(values)
+        # The number the eager call gets on its group: its backward is named
+        # after it, as the eager backward is (see _backward_impl).
+        call = next_number(given["group"])
         with torch.no_grad():
-            pending = collective.eager(input.detach(), **collective.keywords(values))
-        number = next(_handles)
-        _started[number] = pending
-        handle = torch.tensor([number], dtype=torch.int64)
-        weakref.finalize(handle, _started.pop, number, None)
+            pending = collective.eager(input.detach(), **given)
+        serial = next(_handles)
+        _started[serial] = pending
+        handle = torch.tensor([serial, call], dtype=torch.int64)
+        weakref.finalize(handle, _started.pop, serial, None)
         return handle
 
     return start
 
 
 def _start_fake(input: torch.Tensor, *values: Any) -> torch.Tensor:
-    # The handle is a number on the CPU, whatever the input's device.
-    return torch.empty(1, dtype=torch.int64)
+    # The handle is two numbers on the CPU, whatever the input's device.
+    return torch.empty(2, dtype=torch.int64)
 
 
 def _wait_impl(collective: Collective) -> Callable[..., torch.Tensor]:
@@ -344,7 +352,7 @@ def _wait_impl(collective: Collective) -> Callable[..., torch.Tensor]:
         handle: torch.Tensor, input: torch.Tensor, anchor: torch.Tensor, *values: Any
     ) -> torch.Tensor:
         _events.emit("compiled_call", f"{collective.name}_wait")
-        pending = _started.pop(int(handle.item()), None)
+        pending = _started.pop(int(handle[0]), None)
         if pending is None:
             raise CodecError(
                 f"{collective.name}: its call was waited for already (each start is waited once)"
@@ -372,20 +380,29 @@ def _wait_fake(collective: Collective) -> Callable[..., torch.Tensor]:
 
 
 def _backward_impl(collective: Collective) -> Callable[..., torch.Tensor]:
-    def backward(grad: torch.Tensor, input_shape: list[int], *values: Any) -> torch.Tensor:
+    def backward(
+        grad: torch.Tensor, handle: torch.Tensor, input_shape: list[int], *values: Any
+    ) -> torch.Tensor:
         _events.emit("compiled_call", f"{collective.name}_backward")
         given = collective.keywords(values)
-        return _unaliased(collective.gradient(grad, list(input_shape), **given), grad)
+        # Named as the eager backward is: ranks whose backward passes run in
+        # different orders raise instead of swapping gradients, and a rank
+        # running eager pairs with a peer running compiled.
+        name = f"{collective.name} backward of call {int(handle[1])}"
+        return _unaliased(collective.gradient(grad, name, list(input_shape), **given), grad)
 
     return backward
 
 
-def _backward_fake(grad: torch.Tensor, input_shape: list[int], *values: Any) -> torch.Tensor:
+def _backward_fake(
+    grad: torch.Tensor, handle: torch.Tensor, input_shape: list[int], *values: Any
+) -> torch.Tensor:
     return grad.new_empty(input_shape)
 
 
 def _remember_shape(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     # inputs: after, handle, input, anchor, then the parameters.
+    ctx.save_for_backward(inputs[1])
     ctx.input_shape = list(inputs[2].shape)
     ctx.dtype = inputs[2].dtype
     ctx.values = inputs[4:]
@@ -396,7 +413,8 @@ def _backward_of(backward_op: Any) -> Callable[..., tuple[Any, ...]]:
         # Every rank runs the backward exchange, also where its input needs
         # no gradient (only the anchor does): its peers wait for it.
         grad = grad.to(ctx.dtype).contiguous()
-        grad_input = follow(backward_op(after(), grad, ctx.input_shape, *ctx.values))
+        (handle,) = ctx.saved_tensors
+        grad_input = follow(backward_op(after(), grad, handle, ctx.input_shape, *ctx.values))
         return (None, None, grad_input, None, *([None] * len(ctx.values)))
 
     return backward

@@ -70,6 +70,11 @@ def kind(group: dist.ProcessGroup, backend: Backend) -> str:
     return "point_to_point" if backend.moves_alone else "all_to_all"
 
 
+def next_number(group: dist.ProcessGroup) -> int:
+    """The number the next call on ``group`` gets (see ``open_transport``)."""
+    return _calls.get(group, 0)
+
+
 def open_transport(
     group: dist.ProcessGroup,
     rank: int,
@@ -86,7 +91,7 @@ def open_transport(
     """
     how = kind(group, backend)
     device = backend.device
-    number = _calls.get(group, 0)
+    number = next_number(group)
     _calls[group] = number + 1
     transport: Transport
     if how == "point_to_point":

@@ -128,6 +128,7 @@ def _shape(
 
 def _gradient(
     grad: torch.Tensor,
+    name: str,
     input_shape: list[int],
     *,
     output_splits: list[int] | None,
@@ -136,7 +137,7 @@ def _gradient(
     chunk_bytes: int | None,
 ) -> torch.Tensor:
     # A compiled graph's backward: the forward call has checked the arguments.
-    with begin("all_gather_pooled backward", group, grad) as back:
+    with begin(name, group, grad) as back:
         backward = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
         splits = _splits(input_shape[0], back.world, output_splits)
         return sum_blocks(grad, splits, backward, back, chunk_bytes)()

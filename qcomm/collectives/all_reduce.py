@@ -103,6 +103,9 @@ def all_reduce(
         >>> dist.destroy_process_group()
     """
     if torch.compiler.is_compiling():
+        if not buffer.is_contiguous():
+            # Checked here: the operator's call sees a contiguous copy.
+            raise ValueError("buffer: expected a contiguous tensor")
         keys = [object_key(value) for value in (reduce_codec, gather_codec, residuals, by_host)]
         reduced = _all_reduce_op(buffer, group_name(group), average, chunk_bytes, *keys)
         return buffer.copy_(reduced)

@@ -245,6 +245,7 @@ def _pooled_shape(
 
 def _pooled_gradient(
     grad: torch.Tensor,
+    name: str,
     input_shape: list[int],
     *,
     batch_size_per_rank: list[int],
@@ -255,7 +256,7 @@ def _pooled_gradient(
     chunk_bytes: int | None,
 ) -> torch.Tensor:
     # A compiled graph's backward: the forward call has checked the arguments.
-    with begin("all_to_all_pooled backward", group, grad) as back:
+    with begin(name, group, grad) as back:
         backward = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
         divide = back.world if gradient_division else 1
         batches, dims = list(batch_size_per_rank), list(dim_sum_per_rank)
@@ -275,6 +276,7 @@ def _sequence_shape(
 
 def _sequence_gradient(
     grad: torch.Tensor,
+    name: str,
     input_shape: list[int],
     *,
     input_splits: list[int],
@@ -283,7 +285,7 @@ def _sequence_gradient(
     codecs: Any,
     chunk_bytes: int | None,
 ) -> torch.Tensor:
-    with begin("all_to_all_sequence backward", group, grad) as back:
+    with begin(name, group, grad) as back:
         backward = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
         sends, receives = list(input_splits), list(output_splits)
         return sequence_exchange(grad, receives, sends, backward, back, chunk_bytes)()

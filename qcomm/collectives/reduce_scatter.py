@@ -158,6 +158,7 @@ def _shape(
 
 def _gradient(
     grad: torch.Tensor,
+    name: str,
     input_shape: list[int],
     *,
     input_splits: list[int] | None,
@@ -167,7 +168,7 @@ def _gradient(
     chunk_bytes: int | None,
 ) -> torch.Tensor:
     # A compiled graph's backward: the forward call has checked the arguments.
-    with begin("reduce_scatter_pooled backward", group, grad) as back:
+    with begin(name, group, grad) as back:
         backward = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
         splits = _splits(input_shape[0], back.world, input_splits)
         grad_input = gather_blocks(grad, splits, backward, back, chunk_bytes)()

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from counting import counting
 
 import qcomm
@@ -28,7 +29,11 @@ def test_every_collective_has_its_operators() -> None:
 
 
 @pytest.mark.usefixtures("one_rank")
-def test_a_compiled_call_runs_qcomms_operators_and_equals_eager() -> None:
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_compiled_call_runs_qcomms_operators_and_equals_eager(
+    backend: str, fullgraph: bool
+) -> None:
     pair = qcomm.load_pair("int8/bf16")
 
     def pooled(x: torch.Tensor) -> torch.Tensor:
@@ -38,12 +43,16 @@ def test_a_compiled_call_runs_qcomms_operators_and_equals_eager() -> None:
     eager = pooled(x)
     eager.sum().backward()
     eager_grad, x.grad = x.grad, None
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     with counting("compiled_call") as calls:
-        compiled = torch.compile(pooled, backend="aot_eager", fullgraph=True)(x)
+        compiled = torch.compile(pooled, backend=backend, fullgraph=fullgraph)(x)
         compiled.sum().backward()
     assert torch.equal(compiled, eager)
     assert x.grad is not None and eager_grad is not None
     assert torch.equal(x.grad, eager_grad)
+    # Without fullgraph a break would pass silently: counted, none.
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
     assert calls == {
         "all_to_all_pooled_start": 1,
         "all_to_all_pooled_wait": 1,
@@ -69,8 +78,9 @@ def test_keys_are_readable_and_one_per_object() -> None:
 @pytest.mark.usefixtures("one_rank")
 def test_a_call_is_waited_for_once() -> None:
     x = torch.ones(2, 3)
-    handle = torch.ops.qcomm.all_to_all_pooled_start(x, [2], [3], False, "0", "", None)
-    args = (handle, x, torch.zeros(()), [2], [3], False, "0", "", None)
+    group = dist.distributed_c10d._get_default_group().group_name
+    handle = torch.ops.qcomm.all_to_all_pooled_start(x, [2], [3], False, group, "", None)
+    args = (handle, x, torch.zeros(()), [2], [3], False, group, "", None)
     assert torch.equal(torch.ops.qcomm.all_to_all_pooled_wait(*args), x)
     with pytest.raises(CodecError, match="waited for already"):
         torch.ops.qcomm.all_to_all_pooled_wait(*args)
