@@ -34,7 +34,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from qcomm import _events
 from qcomm.awaitable import Awaitable
-from qcomm.collectives._args import resolve_group
+from qcomm.collectives._args import resolve_codecs, resolve_group
+from qcomm.collectives._call import begin
 from qcomm.collectives._transport import next_number
 from qcomm.errors import CodecError
 from qcomm.types import HostCodecs, codec_info
@@ -155,10 +156,11 @@ class Collective:
             each parameter between the input and :data:`_COMMON`, as the
             public function names it.
         eager (Callable): the public function.
-        gradient (Callable): ``gradient(grad, name, input_shape, **keywords)``,
-            the input's gradient through the inverse collective, a call named
-            ``name`` (keywords: the public function's, ``group`` and
-            ``codecs`` resolved).
+        gradient (Callable): ``gradient(grad, back, codec, input_shape,
+            **keywords)``, the input's gradient through the inverse
+            collective: ``back`` is the backward call, ``codec`` the backward
+            codec by peer, the keywords the public function's but ``group``
+            and ``codecs``.
         shape (Callable): ``shape(input_shape, rank, world, **own)``, the
             output's shape, for the fake implementation; it does not check
             (invalid arguments raise in the call, on every rank).
@@ -385,11 +387,16 @@ def _backward_impl(collective: Collective) -> Callable[..., torch.Tensor]:
     ) -> torch.Tensor:
         _events.emit("compiled_call", f"{collective.name}_backward")
         given = collective.keywords(values)
+        group, codecs = given.pop("group"), given.pop("codecs")
         # Named as the eager backward is: ranks whose backward passes run in
         # different orders raise instead of swapping gradients, and a rank
         # running eager pairs with a peer running compiled.
         name = f"{collective.name} backward of call {int(handle[1])}"
-        return _unaliased(collective.gradient(grad, name, list(input_shape), **given), grad)
+        # The forward call has checked the arguments.
+        with begin(name, group, grad) as back:
+            codec = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
+            grad_input = collective.gradient(grad, back, codec, list(input_shape), **given)
+        return _unaliased(grad_input, grad)
 
     return backward
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from qcomm.awaitable import Awaitable
 from qcomm.collectives._args import check_chunk_bytes, check_input, check_splits, resolve_codecs
-from qcomm.collectives._call import begin
+from qcomm.collectives._call import Call, begin
 from qcomm.collectives._compiled import Collective, define
 from qcomm.collectives._layouts import gather_blocks, sum_blocks
 from qcomm.collectives._pending import Pending
@@ -128,19 +128,15 @@ def _shape(
 
 def _gradient(
     grad: torch.Tensor,
-    name: str,
+    back: Call,
+    backward: list[Any],
     input_shape: list[int],
     *,
     output_splits: list[int] | None,
-    group: dist.ProcessGroup,
-    codecs: Any,
     chunk_bytes: int | None,
 ) -> torch.Tensor:
-    # A compiled graph's backward: the forward call has checked the arguments.
-    with begin(name, group, grad) as back:
-        backward = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
-        splits = _splits(input_shape[0], back.world, output_splits)
-        return sum_blocks(grad, splits, backward, back, chunk_bytes)()
+    splits = _splits(input_shape[0], back.world, output_splits)
+    return sum_blocks(grad, splits, backward, back, chunk_bytes)()
 
 
 _traced = define(

@@ -22,7 +22,7 @@ from qcomm.collectives._args import (
     check_splits,
     resolve_codecs,
 )
-from qcomm.collectives._call import begin
+from qcomm.collectives._call import Call, begin
 from qcomm.collectives._compiled import Collective, define
 from qcomm.collectives._layouts import pooled_backward, pooled_forward, sequence_exchange
 from qcomm.collectives._pending import Pending
@@ -245,22 +245,18 @@ def _pooled_shape(
 
 def _pooled_gradient(
     grad: torch.Tensor,
-    name: str,
+    back: Call,
+    backward: list[Any],
     input_shape: list[int],
     *,
     batch_size_per_rank: list[int],
     dim_sum_per_rank: list[int],
     gradient_division: bool,
-    group: dist.ProcessGroup,
-    codecs: Any,
     chunk_bytes: int | None,
 ) -> torch.Tensor:
-    # A compiled graph's backward: the forward call has checked the arguments.
-    with begin(name, group, grad) as back:
-        backward = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
-        divide = back.world if gradient_division else 1
-        batches, dims = list(batch_size_per_rank), list(dim_sum_per_rank)
-        return pooled_backward(grad, batches, dims, backward, back, divide, chunk_bytes)
+    divide = back.world if gradient_division else 1
+    batches, dims = list(batch_size_per_rank), list(dim_sum_per_rank)
+    return pooled_backward(grad, batches, dims, backward, back, divide, chunk_bytes)
 
 
 def _sequence_shape(
@@ -276,19 +272,16 @@ def _sequence_shape(
 
 def _sequence_gradient(
     grad: torch.Tensor,
-    name: str,
+    back: Call,
+    backward: list[Any],
     input_shape: list[int],
     *,
     input_splits: list[int],
     output_splits: list[int],
-    group: dist.ProcessGroup,
-    codecs: Any,
     chunk_bytes: int | None,
 ) -> torch.Tensor:
-    with begin(name, group, grad) as back:
-        backward = back.by_peer(resolve_codecs(codecs, grad.dtype, back.backend)[1])
-        sends, receives = list(input_splits), list(output_splits)
-        return sequence_exchange(grad, receives, sends, backward, back, chunk_bytes)()
+    sends, receives = list(input_splits), list(output_splits)
+    return sequence_exchange(grad, receives, sends, backward, back, chunk_bytes)()
 
 
 _traced_pooled = define(

@@ -4,9 +4,11 @@ and the global synthetic batch every rank rebuilds from one seed."""
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import qcomm
@@ -211,3 +213,91 @@ class Batch:
             pieces.append(torch.arange(start, base + int(self.lengths[f, :hi].sum())))
             base += int(self.lengths[f].sum())
         return torch.cat(pieces)
+
+
+#: the tables of small_dlrm: table-wise on rank 0, on rank 1, row-wise
+DLRM_TABLES = ("t0", "t1", "t2")
+
+
+def small_dlrm(
+    rank: int, world: int, registry: str, *, dim: int, rows: int, dense: int
+) -> tuple[Any, torch.optim.Optimizer]:
+    """
+    TorchRec's ``DLRMTrain`` under ``DistributedModelParallel`` on the CPU,
+    with the codecs of ``registry`` (a registry string): the tables of
+    :data:`DLRM_TABLES` (table-wise on ranks 0 and 1, row-wise), the same
+    weights on every call, and SGD on the dense part.
+    """
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import (
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+
+    codecs = qcomm.build_registry(registry)
+    torch.manual_seed(0)  # the dense layers
+    configs = [
+        EmbeddingBagConfig(name=t, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{t}"])
+        for t in DLRM_TABLES
+    ]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    model = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=dense,
+            dense_arch_layer_sizes=[8, dim],
+            over_arch_layer_sizes=[8, 1],
+            dense_device=torch.device("cpu"),
+        )
+    )
+    sharder, _ = cpu_sharders(codecs, 0.1)
+    per_table = {
+        "t0": table_wise(rank=0, compute_kernel="fused"),
+        "t1": table_wise(rank=1, compute_kernel="fused"),
+        "t2": row_wise(compute_kernel="fused"),
+    }
+    plan = construct_module_sharding_plan(
+        ebc, per_table, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
+        sharders=[sharder],
+        device=torch.device("cpu"),
+    )
+    with torch.no_grad():
+        for key, value in dmp.state_dict().items():
+            if not hasattr(value, "local_shards"):
+                continue
+            table = key.split(".")[-2]
+            gen = torch.Generator().manual_seed(zlib.crc32(table.encode()))
+            full = torch.rand(rows, dim, generator=gen) - 0.5
+            for shard in value.local_shards():
+                (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
+    params = [p for name, p in dmp.named_parameters() if "embedding_bags" not in name]
+    return dmp, torch.optim.SGD(params, lr=0.1)
+
+
+def dlrm_batches(rank: int, steps: int, *, batch: int, rows: int, dense: int) -> list[Any]:
+    """``steps`` TorchRec batches of :func:`small_dlrm`'s features for ``rank``, from fixed seeds."""
+    from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+
+    out = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        lengths = torch.randint(1, 3, (len(DLRM_TABLES) * batch,), generator=gen)
+        values = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{t}" for t in DLRM_TABLES], values=values, lengths=lengths
+        )
+        features = torch.randn(batch, dense, generator=gen)
+        labels = torch.randint(0, 2, (batch,), generator=gen).float()
+        out.append(Batch(dense_features=features, sparse_features=kjt, labels=labels))
+    return out
