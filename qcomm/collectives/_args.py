@@ -9,6 +9,7 @@ own call is checked here, and raises at once.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,12 @@ from qcomm.types import (
 
 # Split entries must fit in a tensor's int64 sizes.
 _MAX_SPLIT = 1 << 63
+
+# This rank and the world size of each group, asked of torch once per group:
+# its lookups cost microseconds each, a fair share of a small call.
+_members: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, int]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
@@ -52,10 +59,13 @@ def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
         raise TypeError(
             f"group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
         )
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("group: this process is not a member of the given process group")
-    return group, rank, dist.get_world_size(group)
+    known = _members.get(group)
+    if known is None:
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("group: this process is not a member of the given process group")
+        known = _members[group] = (rank, dist.get_world_size(group))
+    return group, *known
 
 
 def check_input(input: Any, name: str, backend: Backend, ndim: int | None = None) -> None:

@@ -79,12 +79,14 @@ def open_transport(
     group: dist.ProcessGroup,
     rank: int,
     backend: Backend,
+    world: int,
     *,
     trailer_bytes: int = 0,
     control_bytes: int = 0,
 ) -> Transport:
     """
-    The transport of one call, on ``backend``'s device. ``trailer_bytes``: the
+    The transport of one call, on ``backend``'s device, among ``world``
+    ranks. ``trailer_bytes``: the
     size of the trailer a send may end with (:meth:`Transport.send`);
     ``control_bytes``: the size of a control message
     (:meth:`Transport.send_control`).
@@ -95,9 +97,9 @@ def open_transport(
     _calls[group] = number + 1
     transport: Transport
     if how == "point_to_point":
-        transport = PointToPoint(group, rank, device, _FIRST_TAG + number % _TAGS)
+        transport = PointToPoint(group, rank, world, device, _FIRST_TAG + number % _TAGS)
     else:
-        transport = OneAllToAll(group, rank, device)
+        transport = OneAllToAll(group, rank, world, device)
     transport.number = number
     transport.trailer_bytes = trailer_bytes
     transport.control_bytes = control_bytes
@@ -124,11 +126,13 @@ class Transport:
     #: the size of a control message (see :meth:`send_control`)
     control_bytes = 0
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device
+    ) -> None:
         self.group = group
         self.rank = rank
         self.device = device
-        self.world = dist.get_world_size(group)
+        self.world = world
         # Declared receives: (peer, byte offset in the shared buffer, numel,
         # dtype, own tensor).
         self._recvs: list[tuple[int, int, int, torch.dtype, torch.Tensor | None]] = []
@@ -260,8 +264,10 @@ class PointToPoint(Transport):
     chunked = True
     moves_alone = True
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device, tag: int) -> None:
-        super().__init__(group, rank, device)
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device, tag: int
+    ) -> None:
+        super().__init__(group, rank, world, device)
         self.tag = tag
         self._recv_work: list[Any] = []
         self._send_work: list[tuple[int, Any]] = []
@@ -344,8 +350,10 @@ class OneAllToAll(Transport):
     before the data.
     """
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
-        super().__init__(group, rank, device)
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device
+    ) -> None:
+        super().__init__(group, rank, world, device)
         self._work: Any = None
         self._control_out: dict[int, torch.Tensor] = {}
         self._control_in: torch.Tensor | None = None
