@@ -294,9 +294,9 @@ class PointToPoint(Transport):
         return blob
 
     def start(self) -> None:
-        shared = any(into is None and numel for _, _, numel, _, into in self._recvs)
-        buffer = self._shared(self._end) if shared else None
-        if buffer is not None:
+        landing = [(into is None and numel > 0) for _, _, numel, _, into in self._recvs]
+        buffer = self._shared(self._end) if any(landing) else None
+        if buffer is not None and self.trailer_bytes:
             # Kept memory may hold an earlier call's trailer where this call
             # expects one, and gloo takes a message shorter than posted
             # without a word: a peer that sent too little must not leave an
@@ -304,16 +304,21 @@ class PointToPoint(Transport):
             # cleared before any receive is posted (one in flight is written
             # to at any time), and within its own message only.
             raw = buffer.numpy()
-            for _, offset, numel, dtype, into in self._recvs:
-                if into is None and numel and self.trailer_bytes:
+            for (_, offset, numel, dtype, _), lands in zip(self._recvs, landing):
+                if lands:
                     end = offset + numel * dtype.itemsize
                     raw[max(offset, end - self.trailer_bytes) : end] = 0
-        for handle, (peer, _, numel, _, into) in enumerate(self._recvs):
-            if not numel:
-                self._recv_work.append(None)
-                continue
-            target = into.view(-1) if into is not None else self._landing(handle)
-            self._recv_work.append(self.group.recv([target], peer, self.tag))
+        recv, tag, work = self.group.recv, self.tag, self._recv_work
+        for (peer, offset, numel, dtype, into), lands in zip(self._recvs, landing):
+            if lands:
+                assert buffer is not None
+                target = buffer[offset : offset + numel * dtype.itemsize].view(dtype)
+                work.append(recv([target], peer, tag))
+            elif numel:
+                assert into is not None
+                work.append(recv([into.view(-1)], peer, tag))
+            else:
+                work.append(None)
 
     def send(self, peer: int, wire: torch.Tensor, trailer: bytes | None = None) -> None:
         super().send(peer, wire, trailer)
