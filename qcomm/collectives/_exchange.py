@@ -165,9 +165,14 @@ def copy_in_parts(target: torch.Tensor, source: torch.Tensor) -> Callable[[int, 
 
     def copy(part: int, parts: int) -> None:
         lo, hi = part * source.shape[0] // parts, (part + 1) * source.shape[0] // parts
-        target[lo:hi].copy_(source[lo:hi])
+        copy_block(target, source, lo, hi)
 
     return copy
+
+
+def copy_block(target: torch.Tensor, source: torch.Tensor, lo: int, hi: int) -> None:
+    """Copies rows ``lo:hi`` of ``source`` into ``target`` (a part of the own block)."""
+    target[lo:hi].copy_(source[lo:hi])
 
 
 class Piece(NamedTuple):
