@@ -37,7 +37,15 @@ from qcomm.benchmark.series import Case, Series, base_input, make_case, run_seri
 from qcomm.benchmark.session import Session
 from qcomm.benchmark.timing import synchronize
 
-__all__ = ["PHASES", "PhaseProfile", "phases_timed", "run_profile"]
+__all__ = [
+    "PHASES",
+    "PhaseClock",
+    "PhaseProfile",
+    "format_profiles",
+    "phases_timed",
+    "profile_rank",
+    "run_profile",
+]
 
 #: the phases of a call, each the functions it is made of (``module:name``,
 #: or ``module:Class.method``), in the order a call meets them
@@ -107,9 +115,12 @@ PHASES: dict[str, tuple[str, ...]] = {
 OTHER = "other"
 
 
-class _Clock:
-    # Time by phase, each function's own (less what it spends in functions
-    # of any phase it calls), with a stack per thread.
+class PhaseClock:
+    """
+    Time by phase while :func:`phases_timed` runs: each function's own (less
+    what it spends in functions of any phase it calls), with a stack per
+    thread; ``seconds`` and ``calls`` by phase.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
@@ -118,6 +129,8 @@ class _Clock:
         self._local = threading.local()
 
     def wrap(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        """``fn``, its time added to ``phase``."""
+
         def timed(*args: Any, **kwargs: Any) -> Any:
             stack: list[float] = self._local.__dict__.setdefault("stack", [])
             stack.append(0.0)  # time spent in nested phases
@@ -152,9 +165,9 @@ def _collective_modules() -> list[Any]:
 
 
 @contextlib.contextmanager
-def phases_timed() -> Iterator[_Clock]:
+def phases_timed() -> Iterator[PhaseClock]:
     r"""
-    phases_timed() -> Iterator[_Clock]
+    phases_timed() -> Iterator[PhaseClock]
 
     Wraps every function of :data:`PHASES` while the block runs (wherever
     qcomm's modules hold it); yields the clock whose ``seconds`` and
@@ -164,7 +177,7 @@ def phases_timed() -> Iterator[_Clock]:
         AttributeError: if a function of :data:`PHASES` is gone (renamed or
             moved): the profile would silently miss its phase.
     """
-    clock = _Clock()
+    clock = PhaseClock()
     undo: list[Callable[[], None]] = []
     try:
         for phase, specs in PHASES.items():
