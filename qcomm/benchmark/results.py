@@ -359,6 +359,8 @@ class DlrmModel:
     tables: int | None = _part()
     table_wise: int | None = _part()
     row_wise: int | None = _part()
+    #: each table's sharding where --train-plan gave it
+    plan: dict[str, str] | None = _part(omit_none=True)
     rows: int | None = _part()
     dim: int | None = _part()
     batch_per_rank: int | None = _part()
