@@ -16,7 +16,7 @@ forward and backward codec::
 
     qcomm bench --link 1gbit --ops pooled,rs --sizes 16M,32M --codecs int8,mx4,bf16 \
         --backward --no-fbgemm --json bench.json
-    python examples/planner_estimates.py bench.json --plans /tmp/plans
+    python examples/planner_estimates.py bench.json [bench2.json ...] --plans /tmp/plans
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 from typing import Any
 
 import torch
@@ -35,6 +36,12 @@ from qcomm.benchmark.results import points
 PAIRS = ("noop/noop", "int8/bf16", "mx4/bf16")
 _A2A = qcomm.CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL
 _RS = qcomm.CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER
+
+
+def _topology_cls() -> Any:
+    from torchrec.distributed.planner.types import Topology
+
+    return Topology
 
 
 def _tables(args: argparse.Namespace) -> Any:
@@ -142,18 +149,10 @@ def _plan(
     return qcomm.plan_specs(planner.plan(_tables(args), [_sharder(registry)]))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("bench", help="a qcomm bench --json file (see above)")
-    parser.add_argument("--tables", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--plan-pair", default="int8/bf16", help="the registry the plans are for")
-    parser.add_argument("--plans", help="folder to write each estimator's plan to (JSON)")
-    args = parser.parse_args()
-    logging.disable(logging.WARNING)
-    with open(args.bench) as f:
+def _rows(args: argparse.Namespace, path: str) -> dict[tuple[str, str], list[list[float | None]]]:
+    # Each (sharding, pair)'s forward and backward milliseconds: qcomm's
+    # estimate, TorchRec's on the measured link, on its default one, measured.
+    with open(path) as f:
         data = json.load(f)
     profile = qcomm.profile_from_bench(data)
     rows = points(data)
@@ -162,12 +161,12 @@ def main() -> None:
         args.world_size, compute_device="cpu", local_world_size=1, profile=profile
     )
     default = qcomm.planner_topology(args.world_size, compute_device="cpu", local_world_size=1)
-    print(f"link {profile.inter_host_Bps / 1e6:.1f} MB/s; codecs (GB/s encode/decode): "
+    print(f"{path}: link {profile.inter_host_Bps / 1e6:.1f} MB/s; codecs (GB/s encode/decode): "
           + ", ".join(f"{n} {profile.encode_Bps[n] / 1e9:.2f}/{profile.decode_Bps.get(n, 0) / 1e9:.2f}"
-                      for n in sorted(profile.encode_Bps)))  # fmt: skip
-    print("ms per step, forward / backward: qcomm's estimate, TorchRec's (measured link), "
-          "TorchRec's (default link), measured")  # fmt: skip
+                      for n in sorted(profile.encode_Bps) if n != "noop")
+          + f"; load {data['meta'].get('load_before')}")  # fmt: skip
     elements = args.batch * args.world_size * args.dim * 4
+    out: dict[tuple[str, str], list[list[float | None]]] = {}
     for kind, op, size in (
         ("table_wise", _A2A, elements * args.tables // args.world_size),
         ("row_wise", _RS, elements * args.tables),
@@ -177,26 +176,76 @@ def main() -> None:
             ours = _estimators(topology, registry, profile, None)["qcomm"]
             own = _estimators(topology, registry, profile, None)["torchrec"]
             own_default = _estimators(default, registry, profile, None)["torchrec"]
-            cells = [_per_step_ms(args, e, registry, kind) for e in (ours, own, own_default)] + [
-                _measured_ms(rows, op, size, pair)
+            cells: list[list[float | None]] = [
+                list(_per_step_ms(args, e, registry, kind)) for e in (ours, own, own_default)
             ]
-            text = "  ".join(
-                "/".join("-" if v is None else f"{v:7.1f}" for v in cell) for cell in cells
-            )
-            measured = cells[-1]
-            ratio = [
-                f"{e / m:.2f}" if m else "-"
-                for e, m in zip(cells[0] + cells[1], measured + measured, strict=True)
-            ]
-            print(f"{kind:10} {pair:9} {text}   est/meas qcomm {ratio[:2]} torchrec {ratio[2:]}")
+            out[kind, pair] = [*cells, _measured_ms(rows, op, size, pair)]
+    return out
+
+
+def _median(values: list[float | None], digits: int = 1) -> str:
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return "-"
+    mid = statistics.median(known)
+    if len(known) == 1 or known[0] == known[-1]:
+        return f"{mid:.{digits}f}"
+    return f"{mid:.{digits}f} ({known[0]:.{digits}f}-{known[-1]:.{digits}f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "bench", nargs="+", help="qcomm bench --json files (see above): one per run"
+    )
+    parser.add_argument("--tables", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--plan-tables", type=int, default=3, help="the tables the plans are for")
+    parser.add_argument(
+        "--plan-registry",
+        default="pooled_embeddings_all_to_all=int8/bf16,pooled_embeddings_reduce_scatter=bf16/bf16",
+        help="the registry the plans are for (default: the bench's advice at 1 Gbit/s)",
+    )
+    parser.add_argument("--plans", help="folder to write each estimator's plan to (JSON)")
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+    runs = [_rows(args, path) for path in args.bench]
+    print("ms per step of one rank, median (range) over the runs, forward | backward:")
+    names = ("qcomm", "TorchRec, measured link", "TorchRec, default link", "measured")
+    for key in runs[0]:
+        print(f"  {key[0]} {key[1]}")
+        for i, name in enumerate(names):
+            fwd, bwd = ([run[key][i][j] for run in runs] for j in (0, 1))
+            line = f"    {name:24} {_median(fwd):>22} | {_median(bwd):>22}"
+            if i < 3:
+                ratios = [
+                    [
+                        e / m if e is not None and m else None
+                        for e, m in zip(run[key][i], run[key][3], strict=True)
+                    ]
+                    for run in runs
+                ]
+                line += "   est/measured " + " | ".join(
+                    _median([r[j] for r in ratios], 2) for j in (0, 1)
+                )
+            print(line)
     if args.plans:
         os.makedirs(args.plans, exist_ok=True)
-        registry = qcomm.build_registry(
-            {_A2A.name: args.plan_pair, _RS.name: args.plan_pair},
-            allow_unsummable_reduce_scatter=True,
-        )
-        for name, topo in (("qcomm", topology), ("torchrec", default)):
-            specs = _plan(args, name, profile, topo, registry)
+        with open(args.bench[0]) as f:
+            profile = qcomm.profile_from_bench(json.load(f))
+        registry = qcomm.build_registry(args.plan_registry, allow_unsummable_reduce_scatter=True)
+        plan_args = argparse.Namespace(**{**vars(args), "tables": args.plan_tables})
+        topologies = {
+            "qcomm": qcomm.planner_topology(
+                args.world_size, compute_device="cpu", local_world_size=1, profile=profile
+            ),
+            # What TorchRec plans with by default: its own estimator and rates.
+            "torchrec": _topology_cls()(world_size=args.world_size, compute_device="cpu"),
+        }
+        for name, topo in topologies.items():
+            specs = _plan(plan_args, name, profile, topo, registry)
             path = os.path.join(args.plans, f"{name}.json")
             with open(path, "w") as f:
                 json.dump(specs, f, indent=1)

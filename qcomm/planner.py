@@ -36,6 +36,7 @@ from qcomm.types import HostCodecs, NoOpQuantizedCommCodec, codec_info
 
 __all__ = [
     "DEFAULT_CODEC_BPS",
+    "DEFAULT_COPY_BPS",
     "DEFAULT_PROFILE",
     "PLAN_SHARDINGS",
     "CodecPerfEstimator",
@@ -48,6 +49,10 @@ __all__ = [
 
 # TorchRec's estimates are in milliseconds (its rates in bytes per ms).
 _MS = 1e3
+
+#: float32 bytes a memory copy moves per second where none is measured (a
+#: GPU's memory)
+DEFAULT_COPY_BPS = 1e12
 
 #: bytes of float32 input a codec encodes (or decodes) per second where no
 #: measurement is given: a memory-bound kernel at a small fraction of a
@@ -70,6 +75,9 @@ class CommsProfile:
             name. Default: none (:data:`~qcomm.planner.DEFAULT_CODEC_BPS` for every codec).
         decode_Bps (Mapping[str, float], optional): decode throughput by codec
             name. Default: none.
+        copy_Bps (float, optional): float32 bytes a memory copy moves per
+            second, what the reduce-scatter's sums are costed at.
+            Default: :data:`~qcomm.planner.DEFAULT_COPY_BPS`.
         source (str, optional): where the figures come from. Default: ``"model"``.
 
     Raises:
@@ -86,10 +94,15 @@ class CommsProfile:
     intra_host_Bps: float
     encode_Bps: Mapping[str, float] = dataclasses.field(default_factory=dict)
     decode_Bps: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    copy_Bps: float = DEFAULT_COPY_BPS
     source: str = "model"
 
     def __post_init__(self) -> None:
-        rates = {"inter_host_Bps": self.inter_host_Bps, "intra_host_Bps": self.intra_host_Bps}
+        rates = {
+            "inter_host_Bps": self.inter_host_Bps,
+            "intra_host_Bps": self.intra_host_Bps,
+            "copy_Bps": self.copy_Bps,
+        }
         for kind in ("encode_Bps", "decode_Bps"):
             rates |= {f"{kind}[{name!r}]": v for name, v in getattr(self, kind).items()}
         for name, value in rates.items():
@@ -253,7 +266,9 @@ class CodecPerfEstimator:
       forward and receives each peer's gradient backward;
     - row-wise shards (the pooled reduce-scatter forward, its all-gather
       backward; the sequence all-to-all for unpooled tables): the same
-      blocks, with that collective's codecs;
+      blocks, with that collective's codecs, and forward the float32 sum of
+      each peer's partial sums into the rank's own (half as much again as a
+      copy, at :attr:`~qcomm.CommsProfile.copy_Bps`);
     - data-parallel tables: the DDP all-reduce of their gradients with
       ``dense_codec`` (what :func:`~qcomm.ddp_comm_hook` sends).
 
@@ -402,6 +417,10 @@ class CodecPerfEstimator:
             )
             for forward in (True, False)
         )
+        if op is CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER:
+            # qcomm decodes each peer's partial sums and adds them in float32:
+            # half as much again as a copy of the block, per peer.
+            fwd += (world - 1) * 1.5 * 4.0 * block * cols / self._profile.copy_Bps
         return _MS * fwd, _MS * bwd
 
 
@@ -453,8 +472,8 @@ def profile_from_bench(results: str | os.PathLike[str] | Mapping[str, Any]) -> C
     content): the link's rate, as measured with ``--link`` (both ways at
     once, each rank sending as in a collective), between hosts and, with
     ``--ranks-per-host``, inside one as well unless measured apart; each
-    qcomm codec's encode and decode throughput at the size it ran. What the
-    file lacks comes from :data:`~qcomm.planner.DEFAULT_PROFILE`.
+    qcomm codec's encode and decode throughput at the size it ran; the
+    memory copy's (``roofline``). What the file lacks comes from :data:`~qcomm.planner.DEFAULT_PROFILE`.
 
     Args:
         results (str | os.PathLike | Mapping[str, Any]): the file, or its JSON content.
@@ -482,6 +501,9 @@ def profile_from_bench(results: str | os.PathLike[str] | Mapping[str, Any]) -> C
         if not run.bench_meta.ranks_per_host:
             # A rank per host: every peer is on another host.
             intra = inter
+    copy = DEFAULT_PROFILE.copy_Bps
+    if run.roofline is not None and run.roofline.copy_GBps:
+        copy = 1e9 * run.roofline.copy_GBps
     encode: dict[str, float] = {}
     decode: dict[str, float] = {}
     for row in run.codecs or []:
@@ -499,6 +521,7 @@ def profile_from_bench(results: str | os.PathLike[str] | Mapping[str, Any]) -> C
         intra_host_Bps=intra,
         encode_Bps=encode,
         decode_Bps=decode,
+        copy_Bps=copy,
         source=source,
     )
 

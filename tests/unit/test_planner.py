@@ -13,6 +13,7 @@ import torch
 import qcomm
 from qcomm.planner import (
     DEFAULT_CODEC_BPS,
+    DEFAULT_COPY_BPS,
     DEFAULT_PROFILE,
     CodecPerfEstimator,
     CommsProfile,
@@ -31,8 +32,13 @@ LINK = 125e6  # 1 Gbit/s, bytes/s
 # Codec rates far from the default, so that a test that reads the default fails.
 ENCODE = {"mx4": 2e9, "int8": 3e9, "fp8_e4m3": 2.5e9, "bf16": 8e9}
 DECODE = {"mx4": 4e9, "int8": 5e9, "fp8_e4m3": 4.5e9, "bf16": 9e9}
+COPY = 3e9
 PROFILE = CommsProfile(
-    inter_host_Bps=LINK, intra_host_Bps=40 * LINK, encode_Bps=ENCODE, decode_Bps=DECODE
+    inter_host_Bps=LINK,
+    intra_host_Bps=40 * LINK,
+    encode_Bps=ENCODE,
+    decode_Bps=DECODE,
+    copy_Bps=COPY,
 )
 A2A = "POOLED_EMBEDDINGS_ALL_TO_ALL"
 MS = 1e3  # TorchRec's estimates are in milliseconds
@@ -159,8 +165,10 @@ def test_row_wise_shards_take_the_reduce_scatters_codecs() -> None:
     (option,) = _options(registry, estimator, topology, "row_wise")
     assert len(option.shards) == 2
     for shard in option.shards:
-        # Every shard sends its peer the partial sums of the peer's batch.
-        fwd = ELEMENTS * WIRE["mx4"] / LINK + _codec_s("mx4", ELEMENTS)
+        # Every shard sends its peer the partial sums of the peer's batch,
+        # and adds the peer's into its own: 1.5 times a copy.
+        sums = 1.5 * 4 * ELEMENTS / COPY
+        fwd = ELEMENTS * WIRE["mx4"] / LINK + _codec_s("mx4", ELEMENTS) + sums
         assert shard.perf.fwd_comms == pytest.approx(MS * fwd, rel=0.02)
 
 
@@ -186,6 +194,7 @@ def test_without_measurements_the_documented_model_stands_in() -> None:
     assert DEFAULT_PROFILE.intra_host_Bps == 600 * 1024**3
     assert DEFAULT_PROFILE.codec_seconds("int8", DEFAULT_CODEC_BPS, encode=True) == 1.0
     assert DEFAULT_PROFILE.codec_seconds("noop", 1e12, encode=False) == 0.0
+    assert DEFAULT_PROFILE.copy_Bps == DEFAULT_COPY_BPS == 1e12
     topology = planner_topology(2, compute_device="cpu", local_world_size=1)
     # TorchRec's own default, in its bytes per millisecond.
     assert topology.comms_bandwidths.inter_host_bw == pytest.approx(12.5 * 1024**3 / 1000)
@@ -208,6 +217,7 @@ def _bench_json(link: bool) -> dict[str, Any]:
         ],
     }
     if link:
+        data["roofline"] = {"bytes": 1 << 24, "copy_s": 0.005, "copy_GBps": 2.5}
         data["link"] = {
             "spec": "1gbit",
             "rate_bps": 1e9,
@@ -226,11 +236,13 @@ def test_a_bench_file_gives_the_estimator_its_rates(tmp_path: pathlib.Path) -> N
     assert profile.intra_host_Bps == profile.inter_host_Bps
     assert profile.encode_Bps == {"mx4": 2e9, "int8": 3e9}  # qcomm's rows only
     assert profile.decode_Bps == {"mx4": 4e9, "int8": 4e9}
+    assert profile.copy_Bps == pytest.approx(2.5e9)
     assert profile.source == "bench"
     # On loopback the link is not measured: the model's rates stand in.
     loopback = profile_from_bench(_bench_json(link=False))
     assert loopback.inter_host_Bps == DEFAULT_PROFILE.inter_host_Bps
     assert loopback.encode_Bps["mx4"] == 2e9
+    assert loopback.copy_Bps == DEFAULT_COPY_BPS
     with pytest.raises(ValueError, match="results"):
         profile_from_bench({"codecs": []})
 
