@@ -469,11 +469,13 @@ def profile_from_bench(results: str | os.PathLike[str] | Mapping[str, Any]) -> C
     profile_from_bench(results: str | os.PathLike | Mapping[str, Any]) -> CommsProfile
 
     The :class:`CommsProfile` of a ``qcomm bench --json`` file (or its
-    content): the link's rate, as measured with ``--link`` (both ways at
-    once, each rank sending as in a collective), between hosts and, with
-    ``--ranks-per-host``, inside one as well unless measured apart; each
-    qcomm codec's encode and decode throughput at the size it ran; the
-    memory copy's (``roofline``). What the file lacks comes from :data:`~qcomm.planner.DEFAULT_PROFILE`.
+    content): the link's rate between hosts as measured with ``--link``
+    (both ways at once, each rank sending as in a collective; a ``--train``
+    run, which does not measure it: the ``--link`` rate at TCP's
+    efficiency), and inside a host as measured with ``--ranks-per-host`` (a
+    rank per host: the same rate); each qcomm codec's encode and decode
+    throughput at the size it ran; the memory copy's (``roofline``). What
+    the file lacks comes from :data:`~qcomm.planner.DEFAULT_PROFILE`.
 
     Args:
         results (str | os.PathLike | Mapping[str, Any]): the file, or its JSON content.
@@ -481,6 +483,7 @@ def profile_from_bench(results: str | os.PathLike[str] | Mapping[str, Any]) -> C
     Raises:
         ValueError: for a file that is not a bench run's JSON.
     """
+    from qcomm.benchmark.metrics import TCP_EFFICIENCY
     from qcomm.benchmark.results import LinkFigures, Results
 
     if isinstance(results, Mapping):
@@ -498,9 +501,15 @@ def profile_from_bench(results: str | os.PathLike[str] | Mapping[str, Any]) -> C
     if isinstance(link, LinkFigures) and (link.both_ways_GBps or link.one_way_GBps):
         inter = 1e9 * float(link.both_ways_GBps or link.one_way_GBps or 0.0)
         source = "bench"
-        if not run.bench_meta.ranks_per_host:
+        if link.same_host_both_ways_GBps:
+            intra = 1e9 * link.same_host_both_ways_GBps
+        elif not run.bench_meta.ranks_per_host:
             # A rank per host: every peer is on another host.
             intra = inter
+    elif link is not None and link.rate_bps:
+        # A --train run names its link's rate and does not measure it.
+        inter = link.rate_bps / 8 * TCP_EFFICIENCY
+        source = "bench"
     copy = DEFAULT_PROFILE.copy_Bps
     if run.roofline is not None and run.roofline.copy_GBps:
         copy = 1e9 * run.roofline.copy_GBps

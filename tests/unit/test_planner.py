@@ -247,6 +247,22 @@ def test_a_bench_file_gives_the_estimator_its_rates(tmp_path: pathlib.Path) -> N
         profile_from_bench({"codecs": []})
 
 
+def test_the_bench_measures_the_link_inside_a_host_for_the_planner() -> None:
+    # Two hosts of two ranks: the JSON holds both rates, the profile takes them.
+    data = _bench_json(link=True)
+    data["meta"]["ranks_per_host"] = 2
+    data["link"]["same_host_both_ways_GBps"] = 2.5
+    profile = profile_from_bench(data)
+    assert profile.inter_host_Bps == pytest.approx(0.117e9)
+    assert profile.intra_host_Bps == pytest.approx(2.5e9)
+    # Not measured inside a host: the model's rate stands in.
+    del data["link"]["same_host_both_ways_GBps"]
+    assert profile_from_bench(data).intra_host_Bps == DEFAULT_PROFILE.intra_host_Bps
+    # A --train run names its link's rate only: TCP's share of it.
+    train = {"meta": {"link": "1gbit"}, "link": {"spec": "1gbit", "rate_bps": 1e9}, "train": {}}
+    assert profile_from_bench(train).inter_host_Bps == pytest.approx(1e9 / 8 * 0.95)
+
+
 def test_bad_rates_and_registries_are_refused_naming_them() -> None:
     with pytest.raises(ValueError, match="inter_host_Bps"):
         CommsProfile(inter_host_Bps=0.0, intra_host_Bps=1.0)
