@@ -297,7 +297,8 @@ class CodecPerfEstimator:
             codec, for data-parallel tables. Default: ``None`` (float32).
 
     Raises:
-        TypeError: for a registry that is not a mapping.
+        TypeError: for a registry that is not a mapping, or a profile that
+            is not a :class:`CommsProfile`.
 
     Examples::
 
@@ -322,6 +323,10 @@ class CodecPerfEstimator:
             raise TypeError(
                 f"registry: expected a mapping from CommOp names to codec pairs "
                 f"(qcomm.build_registry), got {type(registry).__name__}"
+            )
+        if profile is not None and not isinstance(profile, CommsProfile):
+            raise TypeError(
+                f"profile: expected a qcomm.CommsProfile (or None), got {type(profile).__name__}"
             )
         if isinstance(dense_codec, str):
             from qcomm.discovery import load_codec
@@ -448,9 +453,22 @@ def planner_topology(
         profile (CommsProfile, optional): the rates. Default: ``None``
             (:data:`~qcomm.planner.DEFAULT_PROFILE`).
         **kwargs: the rest of ``Topology``'s arguments.
+
+    Raises:
+        ValueError: for a world or local world size that is not a positive int.
+        TypeError: for a profile that is not a :class:`CommsProfile`.
     """
     from torchrec.distributed.planner.types import BasicCommsBandwidths, Topology
 
+    for name, value in (("world_size", world_size), ("local_world_size", local_world_size)):
+        if value is None and name == "local_world_size":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if profile is not None and not isinstance(profile, CommsProfile):
+        raise TypeError(
+            f"profile: expected a qcomm.CommsProfile (or None), got {type(profile).__name__}"
+        )
     profile = profile or DEFAULT_PROFILE
     bandwidths = BasicCommsBandwidths(
         inter_host_bw=profile.inter_host_Bps / _MS, intra_host_bw=profile.intra_host_Bps / _MS

@@ -273,6 +273,14 @@ def test_bad_rates_and_registries_are_refused_naming_them() -> None:
     topology = planner_topology(2, compute_device="cpu")
     with pytest.raises(TypeError, match="registry"):
         CodecPerfEstimator(topology, ["int8"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="profile"):
+        CodecPerfEstimator(topology, None, profile={"inter_host_Bps": 1.0})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="world_size"):
+        planner_topology(0)
+    with pytest.raises(ValueError, match="local_world_size"):
+        planner_topology(2, local_world_size=0)
+    with pytest.raises(qcomm.CodecError, match="no_such_codec"):
+        CodecPerfEstimator(topology, None, dense_codec="no_such_codec")
 
 
 def _mixed_model(tables: int) -> Any:
