@@ -289,7 +289,15 @@ def _add_timing_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of --train and its models."""
+    """The options of --train and its models, and of --profile."""
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the usual figures: where the time of a qcomm call goes, by phase "
+        "(arguments, layout, status, transport, encode, decode, ...), beside TorchRec's call "
+        "and the bare exchange, for every codec, size and collective given; set "
+        "QCOMM_TRANSPORT to profile the other transport",
+    )
     parser.add_argument(
         "--train",
         action="store_true",
@@ -418,6 +426,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     config.link_gbps = args.link_gbps
     _advice_config(args, config)
     _train_config(args, config)
+    if args.profile:
+        if config.train:
+            raise ValueError("--profile: profiles the collectives; leave out --train")
+        if args.backward:
+            raise ValueError("--profile: profiles the forward call; leave out --backward")
+        config.profile = True
     from qcomm.benchmark.session import launcher_env  # torch: a run needs it anyway
 
     if launcher_env():

@@ -65,7 +65,7 @@ from qcomm.benchmark.timing import calls_for_budget, synchronize, time_calls
 from qcomm.ops import CommOp
 from qcomm.types import HostCodecs, codec_info
 
-__all__ = ["run_rank"]
+__all__ = ["build_series", "run_rank"]
 
 
 def _summable(codec: Any) -> bool | None:
@@ -126,9 +126,21 @@ def _codec_row(candidate: Candidate, outcome: Outcome, n: int, copy_s: float | N
     )
 
 
-def _build_series(
+def build_series(
     config: BenchConfig, session: Session, candidates: list[Candidate]
 ) -> tuple[dict[BenchOp, list[Series]], str | None]:
+    r"""
+    build_series(config: BenchConfig, session: Session, candidates: list[Candidate]) -> tuple[dict[BenchOp, list[Series]], str | None]
+
+    What runs for each collective of the run: qcomm with each codec,
+    TorchRec without and with fbgemm's codecs (pooled all-to-all), the
+    backend's bare calls; and why TorchRec cannot run, if it cannot.
+
+    Args:
+        config (BenchConfig): the run's settings.
+        session (Session): this rank's device and process groups.
+        candidates (list[Candidate]): the run's codecs.
+    """
     qcomm_codecs = [c for c in candidates if c.source == "qcomm"]
     fbgemm_codecs = [c for c in candidates if c.source == "fbgemm"]
     torchrec_reason: str | None = None
@@ -200,7 +212,12 @@ def _warm_up(session: Session, entry: _Entry, budget: float, max_calls: int) -> 
             return seconds, None
         return seconds, error_stats(case.expected, _check_shape(out, case))
 
+    # The first call pays what only a first call does (the ranks' agreement
+    # check, imports): a second, steady one sizes the timed blocks, which
+    # would otherwise be too short to hide a barrier's cost on small calls.
     warm, problem = agreed(session, once)
+    if warm is not None:
+        warm, problem = agreed(session, once)
     if warm is None:
         if series.call is not None:
             session.renew_work()
@@ -464,7 +481,7 @@ def run_rank(config: BenchConfig, session: Session) -> int:
     clock = time.perf_counter()
     candidates, fbgemm_reason = load_candidates(config.codecs, config.fbgemm)
     agree_on_loads(session, candidates)
-    series, torchrec_reason = _build_series(config, session, candidates)
+    series, torchrec_reason = build_series(config, session, candidates)
     passes = 2 if config.backward else 1
     entries = sum(passes * len(s) for s in series.values())
     rounds = len(config.sizes) * len(series) * config.rounds

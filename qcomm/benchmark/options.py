@@ -392,6 +392,8 @@ class BenchConfig:
         loss_gaps (dict[str, dict[str, LossGap]] | None): the training example's loss gaps
             (:func:`~qcomm.benchmark.advice.read_loss_gaps`).
         training_results (str | None): the file they were read from.
+        profile (bool): profile qcomm's calls by phase instead (``--profile``,
+            :mod:`~qcomm.benchmark.profile`).
         train (bool): run the training-step benchmark instead (``--train``,
             :mod:`~qcomm.benchmark.train`).
         train_model (str): its model, ``dlrm`` or ``mlp``
@@ -437,6 +439,7 @@ class BenchConfig:
     data_scale: float = 1.0
     loss_gaps: dict | None = None  # type: ignore[type-arg]
     training_results: str | None = None
+    profile: bool = False
     train: bool = False
     train_model: str = "dlrm"
     train_tables: int = TRAIN_DEFAULTS["tables"]
