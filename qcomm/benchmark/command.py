@@ -36,6 +36,7 @@ from qcomm.benchmark.options import (
     parse_sizes,
     split_codec_list,
 )
+from qcomm.benchmark.train_plan import read_plan
 from qcomm.config import launch_env
 from qcomm.discovery import available_codecs, load_codec
 from qcomm.errors import CodecError
@@ -335,6 +336,13 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "row_wise. Default: mixed",
     )
     parser.add_argument(
+        "--train-plan",
+        metavar="FILE",
+        help="with --train (dlrm): each table's sharding from a JSON file, as "
+        "qcomm.planner.plan_specs writes a planner's plan (see the planner page). "
+        "Replaces --train-sharding",
+    )
+    parser.add_argument(
         "--train-loop",
         choices=TRAIN_LOOPS,
         help="with --train (dlrm): the training loop of every series: pipeline (TorchRec's "
@@ -447,6 +455,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             )
         config.world_size = args.world_size
     config.ranks_per_host = _ranks_per_host(args.ranks_per_host, config.world_size)
+    if config.train and args.train_plan is not None:
+        # Read once the world size is known: the plan's ranks must be in it.
+        config.train_plan = read_plan(args.train_plan, config.train_tables, config.world_size)
     local_ranks = int(launch_env("LOCAL_WORLD_SIZE") or config.world_size)
     if config.train:
         _check_train_memory(config, local_ranks)
@@ -513,7 +524,7 @@ def _check_memory(config: BenchConfig, local_ranks: int) -> None:
 
 # The --train-* options of one model only.
 _MODEL_OPTIONS = {
-    "dlrm": ("tables", "dim", "sharding", "loop", "compile"),
+    "dlrm": ("tables", "dim", "sharding", "plan", "loop", "compile"),
     "mlp": ("layers", "width"),
 }
 
@@ -526,6 +537,7 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
         extra = {
             "model": args.train_model,
             "sharding": args.train_sharding,
+            "plan": args.train_plan,
             "loop": args.train_loop,
             "compile": args.train_compile,
         }
@@ -560,6 +572,7 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
     given_all = {
         **given,
         "sharding": args.train_sharding,
+        "plan": args.train_plan,
         "loop": args.train_loop,
         "compile": args.train_compile,
     }
@@ -593,6 +606,8 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
         for key in ("tables", "dim"):
             setattr(config, f"train_{key}", given[key] or defaults[key])
         config.train_sharding = args.train_sharding or "mixed"
+        if args.train_plan is not None and args.train_sharding is not None:
+            raise ValueError("--train-plan: shards every table; leave --train-sharding out")
         config.train_loop = args.train_loop or "pipeline"
         config.train_compile = args.train_compile
         if config.train_dim % 4:

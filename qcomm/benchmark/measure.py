@@ -414,11 +414,11 @@ def _measure_link(config: BenchConfig, session: Session) -> LinkFigures:
 
     other = config.ranks_per_host or 1
 
-    def transfer(both: bool) -> None:
+    def transfer(both: bool, peer_of_0: int = other) -> None:
         works = []
-        if rank in (0, other):
-            peer = other - rank
-            if both or rank == other:
+        if rank in (0, peer_of_0):
+            peer = peer_of_0 - rank
+            if both or rank == peer_of_0:
                 works.append(dist.irecv(y, group=group, group_src=peer))
             if both or rank == 0:
                 works.append(dist.isend(x, group=group, group_dst=peer))
@@ -426,13 +426,13 @@ def _measure_link(config: BenchConfig, session: Session) -> LinkFigures:
             if work is not None:
                 work.wait()
 
-    def measure(both: bool) -> list[float]:
-        transfer(both)
+    def measure(both: bool, peer_of_0: int = other) -> list[float]:
+        transfer(both, peer_of_0)
         out = []
         for _ in range(7):
             dist.barrier(group=group)
             start = time.perf_counter()
-            transfer(both)
+            transfer(both, peer_of_0)
             dist.barrier(group=group)
             out.append(time.perf_counter() - start)
         return out
@@ -440,7 +440,13 @@ def _measure_link(config: BenchConfig, session: Session) -> LinkFigures:
     one, problem = agreed(session, lambda: measure(False))
     two, problem2 = agreed(session, lambda: measure(True))
     result = LinkFigures(spec=config.link, rate_bps=rate, bytes=size, error=problem or problem2)
-    for name, samples in (("one_way", one), ("both_ways", two)):
+    measured = [("one_way", one), ("both_ways", two)]
+    if other > 1:
+        # Ranks 0 and 1 share a host: what a planner costs inside one.
+        same, problem3 = agreed(session, lambda: measure(True, 1))
+        result.error = result.error or problem3
+        measured.append(("same_host_both_ways", same))
+    for name, samples in measured:
         if samples:
             worst = [max(rank_s[i] for rank_s in samples) for i in range(len(samples[0]))]
             median = statistics.median(worst)

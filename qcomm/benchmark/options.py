@@ -405,6 +405,8 @@ class BenchConfig:
             compiled series (the DLRM's dense part), ``None``: none.
         train_sharding (str): how they are sharded: ``mixed`` (the first half
             table-wise, the rest row-wise), ``table_wise`` or ``row_wise``.
+        train_plan (dict[str, str], optional): each table's sharding instead
+            (``--train-plan``, :mod:`~qcomm.benchmark.train_plan`). Default: ``None``.
         train_dim (int): every table's embedding dimension.
         train_batch (int): samples per rank and step.
         train_steps (int): training steps per series, warm-up included.
@@ -442,6 +444,7 @@ class BenchConfig:
     train_model: str = "dlrm"
     train_tables: int = TRAIN_DEFAULTS["tables"]
     train_sharding: str = "mixed"
+    train_plan: dict | None = None  # type: ignore[type-arg]
     train_loop: str = "pipeline"
     train_compile: str | None = None
     train_dim: int = TRAIN_DEFAULTS["dim"]
