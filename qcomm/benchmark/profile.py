@@ -116,7 +116,7 @@ OTHER = "other"
 
 
 class PhaseClock:
-    """
+    r"""
     Time by phase while :func:`phases_timed` runs: each function's own (less
     what it spends in functions of any phase it calls), with a stack per
     thread; ``seconds`` and ``calls`` by phase.
@@ -129,7 +129,15 @@ class PhaseClock:
         self._local = threading.local()
 
     def wrap(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
-        """``fn``, its time added to ``phase``."""
+        r"""
+        wrap(fn: Callable[..., Any], phase: str) -> Callable[..., Any]
+
+        ``fn``, its time added to ``phase``.
+
+        Args:
+            fn (Callable[..., Any]): the function.
+            phase (str): a phase of :data:`PHASES`.
+        """
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             stack: list[float] = self._local.__dict__.setdefault("stack", [])
