@@ -31,9 +31,10 @@ _free: list[torch.Tensor] = []
 _lock = threading.Lock()
 
 
-# Small receive and send buffers are kept too, apart: in a virtual machine a
-# page fault costs microseconds, and even a small fresh buffer can fault in
-# every call (measured: tens of microseconds per 64 KiB call).
+# Smaller receive and send buffers (from FRESH_BYTES up) are kept too, apart:
+# in a virtual machine a page fault costs microseconds, and even a fresh
+# buffer of some 64 KiB can fault in every call (measured: tens of
+# microseconds per 64 KiB call).
 _free_small: list[torch.Tensor] = []
 KEEP_SMALL = 8
 # Below this, a fresh buffer costs a third of a kept one (keeping takes a
