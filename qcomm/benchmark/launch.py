@@ -37,6 +37,7 @@ from qcomm.benchmark.session import (
     Session,
 )
 from qcomm.benchmark.train import run_train
+from qcomm.benchmark.train_fsdp import run_train_fsdp
 from qcomm.benchmark.train_mlp import run_train_mlp
 from qcomm.config import child_env, launch_env
 
@@ -74,7 +75,9 @@ def _run_rank(config: BenchConfig, local: bool, rank: str) -> int:
         return EXIT_ERROR
     try:
         if config.train:
-            train = run_train_mlp if config.train_model == "mlp" else run_train
+            train = {"mlp": run_train_mlp, "fsdp": run_train_fsdp}.get(
+                config.train_model, run_train
+            )
             return train(config, session)
         return run_rank(config, session)
     except Exception:
