@@ -344,3 +344,45 @@ def test_one_ranks_codec_failure_raises_on_every_rank(world: int, transport: str
 def test_ranks_that_disagree_on_codecs_raise(world: int, transport: str) -> None:
     for r in _results(world, transport):
         assert r["disagree"].startswith("CodecError"), r["disagree"]
+
+
+def _hsdp(rank: int, world: int) -> dict[str, Any]:
+    """4 ranks as 2 hosts of 2: shard inside a host, int8 between the replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.use_deterministic_algorithms(True)
+    out: dict[str, Any] = {}
+    flat = _model(_mesh(fresh=False))
+    out["float32"] = _train(flat, torch.optim.Adam(flat.parameters(), lr=1e-2), rank, range(STEPS))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model(mesh["shard"])
+    state = qcomm.fsdp_quantize(
+        model,
+        gradients="same_host=noop+other_host=int8",
+        replica_group=mesh["replicate"].get_group(),
+        error_feedback=True,
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    shards: list[list[torch.Tensor]] = []
+    with counting("fsdp_call") as calls:
+        out["hsdp"] = _train(model, opt, rank, range(STEPS), lambda: shards.append(_local(model)))
+    out["calls"] = dict(calls)
+    out["shards"] = shards
+    out["saved"] = sorted(
+        k for k, v in state.state_dict()["residuals"].items() if v["replicas"] is not None
+    )
+    return out
+
+
+def test_hsdp_by_host_compresses_between_hosts_only() -> None:
+    results = run_ranks(_hsdp, 4, timeout=180)
+    rho = qcomm.codec_info(qcomm.load_codec("int8")).rel_error_bound
+    for rank, r in enumerate(results):
+        # The shard group's reduce-scatter is FSDP's own (no codec inside a
+        # host); each module's shard is averaged over the replicas by qcomm.
+        assert r["calls"] == {"all_reduce": 3 * STEPS}, r["calls"]
+        assert abs(r["hsdp"] - r["float32"]) <= 2 * rho * r["float32"], r
+        assert r["saved"] == ["0", "2", "4"]
+        # The replicas of a shard (ranks 0 and 2, 1 and 3) stay identical.
+        other = results[(rank + 2) % 4]["shards"]
+        assert all(_same(a, b) for a, b in zip(r["shards"], other, strict=True))
