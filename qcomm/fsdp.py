@@ -155,10 +155,11 @@ class _QuantizedReduceScatter(_Allocating, ReduceScatter):
                         out=residual[b * n : (b + 1) * n],
                     )
         if how == "div":
-            out = out.div(factor)
+            torch.div(out, factor, out=output_tensor)
         elif how == "mul":
-            out = out.mul(factor)
-        output_tensor.copy_(out)
+            torch.mul(out, factor, out=output_tensor)
+        else:
+            output_tensor.copy_(out)
         _events.emit("fsdp_call", "reduce_scatter")
 
 
@@ -181,16 +182,26 @@ class _QuantizedAllGather(_Allocating, AllGather):
             input_tensor, group=group, codecs=self.codecs, chunk_bytes=self.state.chunk_bytes
         )
         codec = self.codecs.forward
+        own = None
+        if not is_identity(codec, input_tensor.dtype):
+            # The exchange does not encode the owner's block: the owner takes
+            # what its peers decode of it, so that every replica of the
+            # parameter is the same to the bit. Done while the blocks travel.
+            try:
+                own = _roundtrip(codec, input_tensor, rank, [n] * world)
+            except BaseException:
+                pending.wait()  # the call's own error, on every rank, comes first
+                raise
 
         def finish() -> None:
             out = pending.wait()
-            mine = out[rank * n : (rank + 1) * n]
-            if not is_identity(codec, mine.dtype):
-                # The owner's block is not encoded by the exchange: it takes
-                # what its peers decode of it, so that every replica of the
-                # parameter is the same to the bit.
-                mine.copy_(_roundtrip(codec, mine, rank, [n] * world))
-            output_tensor.copy_(out)
+            lo, hi = rank * n, (rank + 1) * n
+            if own is None:
+                output_tensor.copy_(out)
+            else:
+                output_tensor[:lo].copy_(out[:lo])
+                output_tensor[lo:hi].copy_(own)
+                output_tensor[hi:].copy_(out[hi:])
             _events.emit("fsdp_call", "all_gather")
 
         if async_op:
