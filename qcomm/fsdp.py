@@ -204,7 +204,10 @@ class _QuantizedAllGather(_Allocating, AllGather):
                 output_tensor[hi:].copy_(out[hi:])
             _events.emit("fsdp_call", "all_gather")
 
-        if async_op:
+        if async_op or output_tensor.device.type == "cpu":
+            # On CPU FSDP asks for a synchronous call (it has no streams to
+            # order it) and still waits on a Work it gets before it reads the
+            # output: the blocks travel while the prefetching module computes.
             return _Gathering(finish)
         finish()
         return None

@@ -90,6 +90,13 @@ def _model(
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        # Each layer's all-gather starts before the previous layer computes
+        # (FSDP2's explicit forward prefetch; the backward pass prefetches
+        # by itself): on CPU only an all-gather that returns at once, as
+        # qcomm's does, overlaps.
+        linears: list[Any] = [m for m in model if isinstance(m, torch.nn.Linear)]
+        for layer, after in zip(linears, linears[1:]):
+            layer.set_modules_to_forward_prefetch([after])
         if series.kind == "qcomm":
             gradients, weights, feedback = _QCOMM[series.label]
             qcomm.fsdp_quantize(
