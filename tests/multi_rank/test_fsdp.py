@@ -189,6 +189,16 @@ def _quantized(rank: int) -> dict[str, Any]:
         out[f"{weights}_residual"] = max(
             r.scatter.abs().max().item() for r in state._residuals.values() if r.scatter is not None
         )
+    # On CPU a synchronous call returns a Work too, which FSDP waits on
+    # before it reads the output: a prefetched all-gather overlaps.
+    comm = model[0]._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
+    world = dist.get_world_size()
+    gathered = torch.empty(3 * world)
+    work = comm(output_tensor=gathered, input_tensor=torch.full((3,), 0.5), group=dist.group.WORLD)
+    out["sync_call_work"] = isinstance(work, dist.Work)
+    if work is not None:
+        work.wait()
+    out["sync_call_gathered"] = gathered.tolist()
     return out
 
 
@@ -311,6 +321,15 @@ def test_int8_gradients_and_fp8_or_int8_weights_train_as_float32(
                 "all_gather": 2 * 3 * STEPS,
             }
             assert r[f"{weights}_residual"] > 0  # error feedback carried something
+
+
+@pytest.mark.parametrize(("world", "transport"), CASES, ids=ids)
+def test_a_synchronous_all_gather_on_cpu_returns_a_work_fsdp_waits_on(
+    world: int, transport: str
+) -> None:
+    for r in _results(world, transport):
+        assert r["sync_call_work"]
+        assert r["sync_call_gathered"] == [0.5] * 3 * world
 
 
 @pytest.mark.parametrize(("world", "transport"), CASES, ids=ids)
