@@ -59,6 +59,17 @@ def _roundtrip(codec: Any, x: torch.Tensor, index: int, lengths: list[int]) -> t
     return checked_decode(codec, ctx, wire, width)[: x.numel()].float()
 
 
+def _lost(codec: Any, x: torch.Tensor, residual: torch.Tensor, rank: int, world: int) -> None:
+    """Sets ``residual`` to what ``codec`` loses of each block of ``x`` sent to a peer."""
+    n = x.numel() // world
+    for b in range(world):
+        block, kept = x[b * n : (b + 1) * n], residual[b * n : (b + 1) * n]
+        if b == rank:
+            kept.zero_()  # not encoded, nothing lost
+        else:
+            torch.sub(block, _roundtrip(codec, block, b, [n] * world), out=kept)
+
+
 def _scale(op: Any, world: int) -> tuple[str, float]:
     """What FSDP's ``op`` does after the sum: ``("div", world)``, ``("mul", factor)`` or nothing."""
     kind = getattr(op, "op", op)
@@ -135,25 +146,19 @@ class _QuantizedReduceScatter(_Allocating, ReduceScatter):
                     f"{residual.numel()} elements, the gradients {x.numel()}"
                 )
             x = x.float() + residual
-        out = reduce_scatter_pooled(
+        pending = reduce_scatter_pooled(
             x, group=group, codecs=self.codecs, chunk_bytes=self.state.chunk_bytes
-        ).wait()
+        )
         if residual is not None:
-            # What each peer decodes of its block, as it decodes it: the
-            # exchange encodes every block alike, whatever its chunks.
-            n = x.numel() // world
-            lengths = [n] * world
-            codec = self.codecs.forward
-            for b in range(world):
-                block = x[b * n : (b + 1) * n]
-                if b == rank:
-                    residual[b * n : (b + 1) * n] = 0.0  # not encoded, nothing lost
-                else:
-                    torch.sub(
-                        block,
-                        _roundtrip(codec, block, b, lengths),
-                        out=residual[b * n : (b + 1) * n],
-                    )
+            # What each peer decodes of its block, as it decodes it (the
+            # exchange encodes every block alike, whatever its chunks), kept
+            # while the blocks travel; the call's own error comes first.
+            try:
+                _lost(self.codecs.forward, x, residual, rank, world)
+            except BaseException:
+                pending.wait()
+                raise
+        out = pending.wait()
         if how == "div":
             torch.div(out, factor, out=output_tensor)
         elif how == "mul":

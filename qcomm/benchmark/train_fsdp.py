@@ -3,7 +3,8 @@ The FSDP2 mode of ``qcomm bench --train`` (``--train-model fsdp``, see
 :doc:`/bench`, "Training steps"): the MLP of ``--train-model mlp`` with
 every Linear under ``fully_shard``, with FSDP's own collectives in float32,
 FSDP's bf16 mixed precision, and qcomm's (:func:`~qcomm.fsdp_quantize`:
-int8 gradients with fp8 or int8 weights, with and without error feedback);
+int8 gradients with fp8 or int8 weights, with and without error feedback,
+and with fp8 weights computing in bf16 under the same policy);
 the rounds, timing and figures are those of :mod:`~qcomm.benchmark.train`.
 """
 
@@ -32,19 +33,24 @@ from qcomm.benchmark.rows import MlpRow
 from qcomm.benchmark.session import Session
 from qcomm.benchmark.train_mlp import LEARNING_RATE, OUTPUTS, Mlp, mlp_parameters
 
-__all__ = ["BF16", "DEFAULT", "Fsdp", "fsdp_series", "run_train_fsdp"]
+__all__ = ["BF16", "DEFAULT", "QCOMM_BF16", "Fsdp", "fsdp_series", "run_train_fsdp"]
 
 #: the label of the series with FSDP's own collectives, in float32
 DEFAULT = "FSDP float32"
 #: the label of the series with FSDP's ``MixedPrecisionPolicy(bf16, bf16)``
 BF16 = "FSDP bf16 mixed precision"
 
-# Each qcomm series' label: its gradients' codec, its weights' codec, error feedback.
+#: the label of the qcomm series that computes in bf16, as FSDP's bf16 mixed precision does
+QCOMM_BF16 = "qcomm int8 grads + fp8 weights, bf16 compute"
+
+# Each qcomm series' label: its gradients' codec, its weights' codec, error
+# feedback, and whether it computes in bf16.
 _QCOMM = {
-    "qcomm int8 grads + fp8 weights": ("int8", "fp8_e4m3", False),
-    "qcomm int8 grads + fp8 weights + error feedback": ("int8", "fp8_e4m3", True),
-    "qcomm int8 grads + int8 weights": ("int8", "int8", False),
-    "qcomm int8 grads + int8 weights + error feedback": ("int8", "int8", True),
+    "qcomm int8 grads + fp8 weights": ("int8", "fp8_e4m3", False, False),
+    "qcomm int8 grads + fp8 weights + error feedback": ("int8", "fp8_e4m3", True, False),
+    "qcomm int8 grads + int8 weights": ("int8", "int8", False, False),
+    "qcomm int8 grads + int8 weights + error feedback": ("int8", "int8", True, False),
+    QCOMM_BF16: ("int8", "fp8_e4m3", False, True),
 }
 
 
@@ -66,7 +72,7 @@ def fsdp_series() -> list[TrainSeries]:
         TrainSeries(DEFAULT, "fp32"),
         TrainSeries(BF16, "pytorch"),
     ]
-    series += [TrainSeries(label, "qcomm", dense=g) for label, (g, _, _) in _QCOMM.items()]
+    series += [TrainSeries(label, "qcomm", dense=g) for label, (g, *_) in _QCOMM.items()]
     return series
 
 
@@ -84,7 +90,7 @@ def _model(
     if group is not None:
         mesh = DeviceMesh.from_group(group, device.type)
         policy = MixedPrecisionPolicy()
-        if series.kind == "pytorch":
+        if series.kind == "pytorch" or _QCOMM.get(series.label, (None,) * 4)[3]:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
@@ -98,7 +104,7 @@ def _model(
         for layer, after in zip(linears, linears[1:]):
             layer.set_modules_to_forward_prefetch([after])
         if series.kind == "qcomm":
-            gradients, weights, feedback = _QCOMM[series.label]
+            gradients, weights, feedback, _ = _QCOMM[series.label]
             qcomm.fsdp_quantize(
                 model, gradients=gradients, weights=weights, error_feedback=feedback
             )
@@ -118,8 +124,12 @@ def _collectives(series: TrainSeries) -> str | None:
     if series.kind == "pytorch":
         return "FSDP bf16/bf16"
     if series.kind == "qcomm":
-        gradients, weights, feedback = _QCOMM[series.label]
-        return f"qcomm {gradients}/{weights}" + ("+ef" if feedback else "")
+        gradients, weights, feedback, bf16 = _QCOMM[series.label]
+        return (
+            f"qcomm {gradients}/{weights}"
+            + ("+ef" if feedback else "")
+            + (", bf16" if bf16 else "")
+        )
     return None
 
 
