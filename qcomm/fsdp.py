@@ -137,14 +137,14 @@ class _QuantizedReduceScatter(_Allocating, ReduceScatter):
         x = input_tensor
         if self.state.error_feedback:
             kept = self.state._residuals[self.name]
+            if kept.scatter is not None and kept.scatter.numel() != x.numel():
+                # A restored state of other shapes or ranks: dropped, not
+                # raised before the call (the other ranks would wait for it).
+                kept.scatter = None
+                self.state.resets += 1
             if kept.scatter is None:
                 kept.scatter = torch.zeros(x.numel(), device=x.device)
             residual = kept.scatter
-            if residual.numel() != x.numel():
-                raise ValueError(
-                    f"error feedback of {self.name or 'the root module'}: its residual holds "
-                    f"{residual.numel()} elements, the gradients {x.numel()}"
-                )
             x = x.float() + residual
         pending = reduce_scatter_pooled(
             x, group=group, codecs=self.codecs, chunk_bytes=self.state.chunk_bytes
@@ -262,6 +262,7 @@ class FSDPCommState:
         error_feedback (bool): whether the gradients' codec losses are carried over.
         replica_group (ProcessGroup): HSDP's replica group, or ``None``.
         modules (list[str]): the names of the ``FSDPModule`` s it serves.
+        resets (int): restored residuals dropped as they did not fit.
     """
 
     def __init__(
@@ -280,6 +281,9 @@ class FSDPCommState:
         self._replicas = replicas
         self.chunk_bytes = chunk_bytes
         self.modules: list[str] = []
+        #: how many restored residuals did not fit their module's gradients
+        #: (another world size or model) and were dropped
+        self.resets = 0
         self._residuals: dict[str, _ModuleResiduals] = {}
 
     def _lazy_residuals(self, name: str) -> _ModuleResiduals:

@@ -230,6 +230,14 @@ def _checkpoint(rank: int) -> dict[str, Any]:
             resumed.load_state_dict(blob["qcomm"])
         _train(again, opt2, rank, range(3, 6))
         out[f"resumed_equal_{restore_qcomm}"] = _same(straight, _local(again))
+    # Residuals that do not fit (another model or world size) are dropped.
+    wrong = blob["qcomm"]
+    wrong["residuals"]["0"]["scatter"] = torch.zeros(7)
+    model = _model(mesh)
+    misfit = qcomm.fsdp_quantize(model, gradients="int8", error_feedback=True)
+    misfit.load_state_dict(wrong)
+    _train(model, torch.optim.Adam(model.parameters(), lr=1e-2), rank, range(1))
+    out["resets"] = misfit.resets
     return out
 
 
@@ -348,6 +356,7 @@ def test_a_checkpoint_with_the_residuals_resumes_bit_for_bit(world: int, transpo
     for r in _results(world, transport):
         assert r["resumed_equal_True"]
         assert not r["resumed_equal_False"]  # the residuals matter
+        assert r["resets"] == 1
 
 
 @pytest.mark.parametrize(("world", "transport"), CASES, ids=ids)
