@@ -5,7 +5,8 @@ Codecs are plugins found through the ``qcomm.codecs`` entry points; a registry
 of codec pairs keyed by :class:`~qcomm.CommOp` plugs into TorchRec sharders;
 the three embedding collectives (and the reduce-scatter's adjoint, the
 all-gather) run with a codec on each pass, and a DDP communication hook
-all-reduces dense gradients with the same codecs (:func:`~qcomm.all_reduce`).
+all-reduces dense gradients with the same codecs (:func:`~qcomm.all_reduce`);
+TorchRec's planner costs them as they are sent (:class:`~qcomm.CodecPerfEstimator`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ _HOMES = {
     "available_codecs": "qcomm.discovery",
     "codec_entries": "qcomm.discovery",
     "load_codec": "qcomm.discovery",
+    "CodecPerfEstimator": "qcomm.planner",
+    "CommsProfile": "qcomm.planner",
+    "plan_specs": "qcomm.planner",
+    "planner_topology": "qcomm.planner",
+    "profile_from_bench": "qcomm.planner",
     "build_registry": "qcomm.registry",
     "load_pair": "qcomm.registry",
     "parse_codec_spec": "qcomm.specs",
@@ -73,6 +79,11 @@ if TYPE_CHECKING:
     from qcomm.fsdp import FSDPCommState as FSDPCommState
     from qcomm.fsdp import fsdp_quantize as fsdp_quantize
     from qcomm.ops import CommOp as CommOp
+    from qcomm.planner import CodecPerfEstimator as CodecPerfEstimator
+    from qcomm.planner import CommsProfile as CommsProfile
+    from qcomm.planner import plan_specs as plan_specs
+    from qcomm.planner import planner_topology as planner_topology
+    from qcomm.planner import profile_from_bench as profile_from_bench
     from qcomm.registry import build_registry as build_registry
     from qcomm.registry import load_pair as load_pair
     from qcomm.specs import parse_codec_spec as parse_codec_spec

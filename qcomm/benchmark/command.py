@@ -36,6 +36,7 @@ from qcomm.benchmark.options import (
     parse_sizes,
     split_codec_list,
 )
+from qcomm.benchmark.train_plan import read_plan
 from qcomm.config import launch_env
 from qcomm.discovery import available_codecs, load_codec
 from qcomm.errors import CodecError
@@ -288,7 +289,15 @@ def _add_timing_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of --train and its models."""
+    """The options of --train and its models, and of --profile."""
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the usual figures: where the time of a qcomm call goes, by phase "
+        "(arguments, layout, status, transport, encode, decode, ...), beside TorchRec's call "
+        "and the bare exchange, for every codec, size and collective given; set "
+        "QCOMM_TRANSPORT to profile the other transport",
+    )
     parser.add_argument(
         "--train",
         action="store_true",
@@ -327,6 +336,13 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --train (dlrm): how the tables are sharded: mixed (the first half table-wise, "
         "the rest row-wise: the pooled all-to-all and the reduce-scatter), table_wise or "
         "row_wise. Default: mixed",
+    )
+    parser.add_argument(
+        "--train-plan",
+        metavar="FILE",
+        help="with --train (dlrm): each table's sharding from a JSON file, as "
+        "qcomm.planner.plan_specs writes a planner's plan (see the planner page). "
+        "Replaces --train-sharding",
     )
     parser.add_argument(
         "--train-loop",
@@ -412,6 +428,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     config.link_gbps = args.link_gbps
     _advice_config(args, config)
     _train_config(args, config)
+    if args.profile:
+        if config.train:
+            raise ValueError("--profile: profiles the collectives; leave out --train")
+        if args.backward:
+            raise ValueError("--profile: profiles the forward call; leave out --backward")
+        config.profile = True
     from qcomm.benchmark.session import launcher_env  # torch: a run needs it anyway
 
     if launcher_env():
@@ -435,6 +457,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             )
         config.world_size = args.world_size
     config.ranks_per_host = _ranks_per_host(args.ranks_per_host, config.world_size)
+    if config.train and args.train_plan is not None:
+        # Read once the world size is known: the plan's ranks must be in it.
+        config.train_plan = read_plan(args.train_plan, config.train_tables, config.world_size)
     local_ranks = int(launch_env("LOCAL_WORLD_SIZE") or config.world_size)
     if config.train:
         _check_train_memory(config, local_ranks)
@@ -501,7 +526,7 @@ def _check_memory(config: BenchConfig, local_ranks: int) -> None:
 
 # The --train-* options of one model only.
 _MODEL_OPTIONS = {
-    "dlrm": ("tables", "dim", "sharding", "loop", "compile"),
+    "dlrm": ("tables", "dim", "sharding", "plan", "loop", "compile"),
     "mlp": ("layers", "width"),
     "fsdp": ("layers", "width"),
 }
@@ -515,6 +540,7 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
         extra = {
             "model": args.train_model,
             "sharding": args.train_sharding,
+            "plan": args.train_plan,
             "loop": args.train_loop,
             "compile": args.train_compile,
         }
@@ -549,6 +575,7 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
     given_all = {
         **given,
         "sharding": args.train_sharding,
+        "plan": args.train_plan,
         "loop": args.train_loop,
         "compile": args.train_compile,
     }
@@ -582,6 +609,8 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
         for key in ("tables", "dim"):
             setattr(config, f"train_{key}", given[key] or defaults[key])
         config.train_sharding = args.train_sharding or "mixed"
+        if args.train_plan is not None and args.train_sharding is not None:
+            raise ValueError("--train-plan: shards every table; leave --train-sharding out")
         config.train_loop = args.train_loop or "pipeline"
         config.train_compile = args.train_compile
         if config.train_dim % 4:

@@ -27,6 +27,7 @@ from qcomm.benchmark.children import PARENT_ENV, describe, end_with_parent, exit
 from qcomm.benchmark.link import Link, LinkError, parse_rate
 from qcomm.benchmark.measure import run_rank
 from qcomm.benchmark.options import BenchConfig
+from qcomm.benchmark.profile import run_profile
 from qcomm.benchmark.session import (
     CONFIG_ENV,
     EXIT_CODEC_FAILED,
@@ -79,6 +80,8 @@ def _run_rank(config: BenchConfig, local: bool, rank: str) -> int:
                 config.train_model, run_train
             )
             return train(config, session)
+        if config.profile:
+            return run_profile(config, session)
         return run_rank(config, session)
     except Exception:
         print(f"qcomm bench: rank {rank}: error:", file=sys.stderr)

@@ -65,7 +65,7 @@ from qcomm.benchmark.timing import calls_for_budget, synchronize, time_calls
 from qcomm.ops import CommOp
 from qcomm.types import HostCodecs, codec_info
 
-__all__ = ["run_rank"]
+__all__ = ["build_series", "run_rank"]
 
 
 def _summable(codec: Any) -> bool | None:
@@ -126,9 +126,21 @@ def _codec_row(candidate: Candidate, outcome: Outcome, n: int, copy_s: float | N
     )
 
 
-def _build_series(
+def build_series(
     config: BenchConfig, session: Session, candidates: list[Candidate]
 ) -> tuple[dict[BenchOp, list[Series]], str | None]:
+    r"""
+    build_series(config: BenchConfig, session: Session, candidates: list[Candidate]) -> tuple[dict[BenchOp, list[Series]], str | None]
+
+    What runs for each collective of the run: qcomm with each codec,
+    TorchRec without and with fbgemm's codecs (pooled all-to-all), the
+    backend's bare calls; and why TorchRec cannot run, if it cannot.
+
+    Args:
+        config (BenchConfig): the run's settings.
+        session (Session): this rank's device and process groups.
+        candidates (list[Candidate]): the run's codecs.
+    """
     qcomm_codecs = [c for c in candidates if c.source == "qcomm"]
     fbgemm_codecs = [c for c in candidates if c.source == "fbgemm"]
     torchrec_reason: str | None = None
@@ -200,7 +212,12 @@ def _warm_up(session: Session, entry: _Entry, budget: float, max_calls: int) -> 
             return seconds, None
         return seconds, error_stats(case.expected, _check_shape(out, case))
 
+    # The first call pays what only a first call does (the ranks' agreement
+    # check, imports): a second, steady one sizes the timed blocks, which
+    # would otherwise be too short to hide a barrier's cost on small calls.
     warm, problem = agreed(session, once)
+    if warm is not None:
+        warm, problem = agreed(session, once)
     if warm is None:
         if series.call is not None:
             session.renew_work()
@@ -397,11 +414,11 @@ def _measure_link(config: BenchConfig, session: Session) -> LinkFigures:
 
     other = config.ranks_per_host or 1
 
-    def transfer(both: bool) -> None:
+    def transfer(both: bool, peer_of_0: int = other) -> None:
         works = []
-        if rank in (0, other):
-            peer = other - rank
-            if both or rank == other:
+        if rank in (0, peer_of_0):
+            peer = peer_of_0 - rank
+            if both or rank == peer_of_0:
                 works.append(dist.irecv(y, group=group, group_src=peer))
             if both or rank == 0:
                 works.append(dist.isend(x, group=group, group_dst=peer))
@@ -409,13 +426,13 @@ def _measure_link(config: BenchConfig, session: Session) -> LinkFigures:
             if work is not None:
                 work.wait()
 
-    def measure(both: bool) -> list[float]:
-        transfer(both)
+    def measure(both: bool, peer_of_0: int = other) -> list[float]:
+        transfer(both, peer_of_0)
         out = []
         for _ in range(7):
             dist.barrier(group=group)
             start = time.perf_counter()
-            transfer(both)
+            transfer(both, peer_of_0)
             dist.barrier(group=group)
             out.append(time.perf_counter() - start)
         return out
@@ -423,7 +440,13 @@ def _measure_link(config: BenchConfig, session: Session) -> LinkFigures:
     one, problem = agreed(session, lambda: measure(False))
     two, problem2 = agreed(session, lambda: measure(True))
     result = LinkFigures(spec=config.link, rate_bps=rate, bytes=size, error=problem or problem2)
-    for name, samples in (("one_way", one), ("both_ways", two)):
+    measured = [("one_way", one), ("both_ways", two)]
+    if other > 1:
+        # Ranks 0 and 1 share a host: what a planner costs inside one.
+        same, problem3 = agreed(session, lambda: measure(True, 1))
+        result.error = result.error or problem3
+        measured.append(("same_host_both_ways", same))
+    for name, samples in measured:
         if samples:
             worst = [max(rank_s[i] for rank_s in samples) for i in range(len(samples[0]))]
             median = statistics.median(worst)
@@ -458,7 +481,7 @@ def run_rank(config: BenchConfig, session: Session) -> int:
     clock = time.perf_counter()
     candidates, fbgemm_reason = load_candidates(config.codecs, config.fbgemm)
     agree_on_loads(session, candidates)
-    series, torchrec_reason = _build_series(config, session, candidates)
+    series, torchrec_reason = build_series(config, session, candidates)
     passes = 2 if config.backward else 1
     entries = sum(passes * len(s) for s in series.values())
     rounds = len(config.sizes) * len(series) * config.rounds

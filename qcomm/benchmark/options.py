@@ -393,6 +393,8 @@ class BenchConfig:
         loss_gaps (dict[str, dict[str, LossGap]] | None): the training example's loss gaps
             (:func:`~qcomm.benchmark.advice.read_loss_gaps`).
         training_results (str | None): the file they were read from.
+        profile (bool): profile qcomm's calls by phase instead (``--profile``,
+            :mod:`~qcomm.benchmark.profile`).
         train (bool): run the training-step benchmark instead (``--train``,
             :mod:`~qcomm.benchmark.train`).
         train_model (str): its model, ``dlrm``, ``mlp``
@@ -405,6 +407,8 @@ class BenchConfig:
             compiled series (the DLRM's dense part), ``None``: none.
         train_sharding (str): how they are sharded: ``mixed`` (the first half
             table-wise, the rest row-wise), ``table_wise`` or ``row_wise``.
+        train_plan (dict[str, str], optional): each table's sharding instead
+            (``--train-plan``, :mod:`~qcomm.benchmark.train_plan`). Default: ``None``.
         train_dim (int): every table's embedding dimension.
         train_batch (int): samples per rank and step.
         train_steps (int): training steps per series, warm-up included.
@@ -437,10 +441,12 @@ class BenchConfig:
     data_scale: float = 1.0
     loss_gaps: dict | None = None  # type: ignore[type-arg]
     training_results: str | None = None
+    profile: bool = False
     train: bool = False
     train_model: str = "dlrm"
     train_tables: int = TRAIN_DEFAULTS["tables"]
     train_sharding: str = "mixed"
+    train_plan: dict | None = None  # type: ignore[type-arg]
     train_loop: str = "pipeline"
     train_compile: str | None = None
     train_dim: int = TRAIN_DEFAULTS["dim"]

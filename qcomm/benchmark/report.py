@@ -401,6 +401,8 @@ def _link_line(link: LinkRate | None) -> list[str]:
         if link.one_way_GBps
         else f"not measured ({_first_line(link.error)})"
     )
+    if link.same_host_both_ways_GBps:
+        measured += f"; inside a host {_num(link.same_host_both_ways_GBps)} GB/s each way"
     return [
         f"Emulated link: {link.spec} each way ({rate / 8 / 1e9:.3g} GB/s), {measured} "
         f"({format_size(link.bytes or 0)} of float32 per transfer).",

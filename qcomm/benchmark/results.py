@@ -235,9 +235,11 @@ class LinkRate:
 @dataclasses.dataclass(kw_only=True)
 class LinkFigures(LinkRate):
     r"""
-    The emulated link as measured between ranks 0 and 1: ``float32`` bytes a
-    transfer, and one way and both ways at once their median seconds,
-    throughput (1e9 bytes/s), samples and spread (left out where not measured).
+    The emulated link as measured between rank 0 and the first rank of the
+    next host: ``float32`` bytes a transfer, and one way and both ways at
+    once their median seconds, throughput (1e9 bytes/s), samples and spread
+    (left out where not measured); with ``--ranks-per-host``, the same both
+    ways between ranks 0 and 1, inside a host (``same_host_both_ways_*``).
     """
 
     bytes: int | None = _part()
@@ -250,6 +252,11 @@ class LinkFigures(LinkRate):
     both_ways_GBps: float | None = _part(omit_none=True)
     both_ways_samples_s: list[float] | None = _part(omit_none=True)
     both_ways_spread: float | None = _part(omit_none=True)
+    #: with --ranks-per-host, ranks 0 and 1 (one host) both ways at once
+    same_host_both_ways_s: float | None = _part(omit_none=True)
+    same_host_both_ways_GBps: float | None = _part(omit_none=True)
+    same_host_both_ways_samples_s: list[float] | None = _part(omit_none=True)
+    same_host_both_ways_spread: float | None = _part(omit_none=True)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -359,6 +366,8 @@ class DlrmModel:
     tables: int | None = _part()
     table_wise: int | None = _part()
     row_wise: int | None = _part()
+    #: each table's sharding where --train-plan gave it
+    plan: dict[str, str] | None = _part(omit_none=True)
     rows: int | None = _part()
     dim: int | None = _part()
     batch_per_rank: int | None = _part()

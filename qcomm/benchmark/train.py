@@ -47,6 +47,7 @@ from qcomm.benchmark.options import TRAIN_WARM_UP_STEPS, BenchConfig
 from qcomm.benchmark.results import DlrmModel, DlrmTrain, TrainPick
 from qcomm.benchmark.rows import DlrmRow
 from qcomm.benchmark.session import Session
+from qcomm.benchmark.train_plan import table_generators
 from qcomm.specs import parse_pair_spec, parse_registry_string
 from qcomm.types import CommOp
 
@@ -347,7 +348,8 @@ def table_wise_count(config: BenchConfig) -> int:
     table_wise_count(config: BenchConfig) -> int
 
     How many of the tables ``--train-sharding`` shards table-wise (the first
-    ones); the rest are sharded row-wise.
+    ones); the rest are sharded row-wise. With ``--train-plan``, how many
+    the plan shards table-wise.
 
     Args:
         config (BenchConfig): the run's settings.
@@ -358,6 +360,8 @@ def table_wise_count(config: BenchConfig) -> int:
         (3, 0)
     """
     tables = config.train_tables
+    if config.train_plan:
+        return sum(spec.startswith("table_wise") for spec in config.train_plan.values())
     return {"table_wise": tables, "row_wise": 0}.get(config.train_sharding, (tables + 1) // 2)
 
 
@@ -388,12 +392,16 @@ def _sharded_model(
     model = _dlrm(config, ebc, device)
     sharder = _sharder(registry)
     # The first ones table-wise, round-robin over the ranks; the rest row-wise.
-    per_table = {
-        f"t{t}": table_wise(rank=t % world, compute_kernel="fused")
-        if t < table_wise_count(config)
-        else row_wise(compute_kernel="fused")
-        for t in range(tables)
-    }
+    per_table = (
+        table_generators(config.train_plan)
+        if config.train_plan
+        else {
+            f"t{t}": table_wise(rank=t % world, compute_kernel="fused")
+            if t < table_wise_count(config)
+            else row_wise(compute_kernel="fused")
+            for t in range(tables)
+        }
+    )
     plan = construct_module_sharding_plan(
         ebc, per_table, sharder=sharder, local_size=world, world_size=world,
         device_type=device.type,
@@ -672,6 +680,7 @@ class Dlrm:
             tables=config.train_tables,
             table_wise=table_wise_count(config),
             row_wise=config.train_tables - table_wise_count(config),
+            plan=config.train_plan,
             rows=ROWS,
             dim=config.train_dim,
             batch_per_rank=config.train_batch,

@@ -9,6 +9,7 @@ own call is checked here, and raises at once.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,12 @@ from qcomm.types import (
 
 # Split entries must fit in a tensor's int64 sizes.
 _MAX_SPLIT = 1 << 63
+
+# This rank and the world size of each group, asked of torch once per group:
+# its lookups cost microseconds each, a fair share of a small call.
+_members: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, int]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
@@ -52,10 +59,13 @@ def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
         raise TypeError(
             f"group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
         )
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("group: this process is not a member of the given process group")
-    return group, rank, dist.get_world_size(group)
+    known = _members.get(group)
+    if known is None:
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("group: this process is not a member of the given process group")
+        known = _members[group] = (rank, dist.get_world_size(group))
+    return group, *known
 
 
 def check_input(input: Any, name: str, backend: Backend, ndim: int | None = None) -> None:
@@ -116,8 +126,26 @@ def check_splits(
     return out
 
 
+# Codecs found to follow the contract, with the backends they passed for: a
+# protocol check asks every member of the contract, a fair share of a small
+# call, and a codec object does not change class between calls.
+_checked: weakref.WeakKeyDictionary[Any, set[Backend]] = weakref.WeakKeyDictionary()
+
+
 def check_codec(codec: Any, name: str, backend: Backend) -> None:
     """Checks that ``codec`` follows the contract, runs on the call's device and its wire can travel."""
+    try:
+        passed = _checked.get(codec)
+    except TypeError:  # not weakly referenceable, or unhashable: checked every time
+        _check_codec(codec, name, backend)
+        return
+    if passed is not None and backend in passed:
+        return
+    _check_codec(codec, name, backend)
+    _checked.setdefault(codec, set()).add(backend)
+
+
+def _check_codec(codec: Any, name: str, backend: Backend) -> None:
     if not isinstance(codec, QuantizedCommCodec):
         missing = [m for m in CODEC_MEMBERS if not hasattr(codec, m)]
         raise TypeError(
@@ -175,7 +203,14 @@ def resolve_codecs(codecs: Any, dtype: torch.dtype, backend: Backend) -> tuple[A
         )
     # Without codecs the data travels in its own dtype, as with a plain
     # collective: no cast, no extra bytes.
-    return NoOpQuantizedCommCodec(dtype), NoOpQuantizedCommCodec(dtype)
+    noop = _noops.get(dtype)
+    if noop is None:
+        noop = _noops[dtype] = NoOpQuantizedCommCodec(dtype)
+    return noop, noop
+
+
+# qcomm's no-op codec of each dtype, made once (it keeps no state).
+_noops: dict[torch.dtype, NoOpQuantizedCommCodec] = {}
 
 
 def pair_codecs(

@@ -7,6 +7,7 @@ and return. The collectives ask here; no other module names a backend.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,14 +104,25 @@ class Backend:
     moves_alone: bool
 
 
+# What each group's backend does with each device, asked once: a group's
+# backend never changes, and asking torch costs a small call dearly.
+_known: weakref.WeakKeyDictionary[Any, dict[torch.device, Backend]] = weakref.WeakKeyDictionary()
+
+
 def backend_of(group: Any, device: torch.device) -> Backend:
     """What ``group``'s backend does with ``device``'s tensors."""
-    return Backend(
-        device,
-        device_problem(group, device),
-        dtype_limit(group, device),
-        moves_alone(group, device),
-    )
+    by_group = _known.get(group)
+    if by_group is None:
+        by_group = _known[group] = {}
+    found = by_group.get(device)
+    if found is None:
+        found = by_group[device] = Backend(
+            device,
+            device_problem(group, device),
+            dtype_limit(group, device),
+            moves_alone(group, device),
+        )
+    return found
 
 
 def cuda_only(group: Any) -> bool:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from qcomm.collectives._agreement import Agreement, safe_mode
 from qcomm.collectives._args import resolve_group
 from qcomm.collectives._backends import Backend, backend_of
-from qcomm.collectives._hosts import per_peer
+from qcomm.collectives._hosts import ByHost, per_peer
 from qcomm.collectives._protocol import FRAMING, tell_failure
 from qcomm.collectives._transport import Transport, open_transport
 
@@ -46,7 +46,7 @@ class Call:
         #: whether this rank's headers have gone out on the current transport
         #: (then a failure is told in-band, with the data)
         self.announced = False
-        self._transports = [open_transport(group, rank, self.backend, **FRAMING)]
+        self._transports = [open_transport(group, rank, self.backend, world, **FRAMING)]
         self._exchanges = 0
         self._agreement: Agreement | None = None
 
@@ -69,7 +69,9 @@ class Call:
         if len(self._transports) < self._exchanges:
             # The first use of an exchange's own transport, right after
             # next_exchange named it.
-            self._transports.append(open_transport(self.group, self.rank, self.backend, **FRAMING))
+            self._transports.append(
+                open_transport(self.group, self.rank, self.backend, self.world, **FRAMING)
+            )
         return self._transports[-1]
 
     @property
@@ -90,6 +92,8 @@ class Call:
         :func:`~._hosts.per_peer`); asked after the agreement check, which the
         ranks pass together (learning host names is an exchange).
         """
+        if not isinstance(codec, ByHost):
+            return [codec] * self.world
         return per_peer(codec, self.group, self.rank, self.backend.device)
 
     def next_exchange(self, name: str) -> None:

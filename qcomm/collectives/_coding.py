@@ -72,6 +72,8 @@ class Coding:
         probe: torch.Tensor | None = None,
     ) -> list[int]:
         """The codec's padded width of every entry of ``lengths`` (see :func:`padded_lengths`)."""
+        if self.identity:
+            return list(lengths)  # qcomm's own no-op codec pads nothing
         return padded_lengths(self.codec, self.ctx, lengths, index, device, probe=probe)
 
 

@@ -39,6 +39,12 @@ from qcomm.types import CodecError
 # 16 on the first and lost less on the second.
 _SMALL = 1 << 18  # 1 MiB of float32
 _MAX_CHUNKS = 8
+# A call waited for later is finished on the background thread only where
+# it receives at least this many elements: handing it over costs two thread
+# switches (tens of microseconds, a 4 ms scheduler tick on a busy machine),
+# more than receiving and decoding a small call leave for wait() to do.
+# Measured on loopback (docs/collectives.rst, "The per-call floor").
+_HAND_OFF = 1 << 18
 
 
 def chunk_elements(length: int, chunk_bytes: int | None) -> int:
@@ -159,9 +165,14 @@ def copy_in_parts(target: torch.Tensor, source: torch.Tensor) -> Callable[[int, 
 
     def copy(part: int, parts: int) -> None:
         lo, hi = part * source.shape[0] // parts, (part + 1) * source.shape[0] // parts
-        target[lo:hi].copy_(source[lo:hi])
+        copy_block(target, source, lo, hi)
 
     return copy
+
+
+def copy_block(target: torch.Tensor, source: torch.Tensor, lo: int, hi: int) -> None:
+    """Copies rows ``lo:hi`` of ``source`` into ``target`` (a part of the own block)."""
+    target[lo:hi].copy_(source[lo:hi])
 
 
 class Piece(NamedTuple):
@@ -234,6 +245,8 @@ def plan(
         cuts = [(0, region.length)]
         if align is not None:
             cuts = region.chunks(align, chunk_elements(region.length, chunk_bytes))
+        if coding.identity:  # the wire is the data
+            return [Piece(region, a, b, b - a) for a, b in cuts]
         return [
             Piece(region, a, b, quantized_sizes(coding.codec, coding.ctx, [b - a])[0])
             for a, b in cuts
@@ -280,9 +293,10 @@ def start_exchange(
     instead of delaying the first send. ``background``: a call waited for
     later, whose caller may change its tensors once it returns: the sends
     and ``local`` (whole, once every message is posted) read them before
-    this returns, and where the transport
-    moves its messages on its own, the receiving and decoding start now on
-    the background thread (``_background``). ``encoded`` (see
+    this returns, and where the transport moves its messages on its own and
+    the call receives at least ``_HAND_OFF`` elements, the receiving and
+    decoding start now on the background thread (``_background``).
+    ``encoded`` (see
     :data:`Encoded`), where given, hears of every chunk this call encodes,
     with its :class:`Piece`, for the caller's own record of it; ``sent()``,
     where given, runs once every message is sent. ``before(peer)``,
@@ -323,7 +337,7 @@ def start_exchange(
         local(0, 1)
         local = None
     finish.keep(agreed, local)
-    if background and transport.moves_alone:
+    if background and transport.moves_alone and _received(steps) >= _HAND_OFF:
         return _background.later(finish)
     return finish
 
@@ -524,6 +538,11 @@ def _reads(wire: torch.Tensor, region: Region | None) -> bool:
     if region is None or not wire.numel():
         return False
     return bool(wire.untyped_storage().data_ptr() == region.region.untyped_storage().data_ptr())
+
+
+def _received(steps: Plan) -> int:
+    """Elements (padding included) that an exchange receives from its peers."""
+    return sum(piece.stop - piece.start for _, piece in steps.receives)
 
 
 def _flows(steps: Plan) -> dict[int, Flows]:

@@ -79,12 +79,14 @@ def open_transport(
     group: dist.ProcessGroup,
     rank: int,
     backend: Backend,
+    world: int,
     *,
     trailer_bytes: int = 0,
     control_bytes: int = 0,
 ) -> Transport:
     """
-    The transport of one call, on ``backend``'s device. ``trailer_bytes``: the
+    The transport of one call, on ``backend``'s device, among ``world``
+    ranks. ``trailer_bytes``: the
     size of the trailer a send may end with (:meth:`Transport.send`);
     ``control_bytes``: the size of a control message
     (:meth:`Transport.send_control`).
@@ -95,9 +97,9 @@ def open_transport(
     _calls[group] = number + 1
     transport: Transport
     if how == "point_to_point":
-        transport = PointToPoint(group, rank, device, _FIRST_TAG + number % _TAGS)
+        transport = PointToPoint(group, rank, world, device, _FIRST_TAG + number % _TAGS)
     else:
-        transport = OneAllToAll(group, rank, device)
+        transport = OneAllToAll(group, rank, world, device)
     transport.number = number
     transport.trailer_bytes = trailer_bytes
     transport.control_bytes = control_bytes
@@ -124,11 +126,13 @@ class Transport:
     #: the size of a control message (see :meth:`send_control`)
     control_bytes = 0
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device
+    ) -> None:
         self.group = group
         self.rank = rank
         self.device = device
-        self.world = dist.get_world_size(group)
+        self.world = world
         # Declared receives: (peer, byte offset in the shared buffer, numel,
         # dtype, own tensor).
         self._recvs: list[tuple[int, int, int, torch.dtype, torch.Tensor | None]] = []
@@ -260,8 +264,10 @@ class PointToPoint(Transport):
     chunked = True
     moves_alone = True
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device, tag: int) -> None:
-        super().__init__(group, rank, device)
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device, tag: int
+    ) -> None:
+        super().__init__(group, rank, world, device)
         self.tag = tag
         self._recv_work: list[Any] = []
         self._send_work: list[tuple[int, Any]] = []
@@ -288,9 +294,9 @@ class PointToPoint(Transport):
         return blob
 
     def start(self) -> None:
-        shared = any(into is None and numel for _, _, numel, _, into in self._recvs)
-        buffer = self._shared(self._end) if shared else None
-        if buffer is not None:
+        landing = [(into is None and numel > 0) for _, _, numel, _, into in self._recvs]
+        buffer = self._shared(self._end) if any(landing) else None
+        if buffer is not None and self.trailer_bytes:
             # Kept memory may hold an earlier call's trailer where this call
             # expects one, and gloo takes a message shorter than posted
             # without a word: a peer that sent too little must not leave an
@@ -298,16 +304,21 @@ class PointToPoint(Transport):
             # cleared before any receive is posted (one in flight is written
             # to at any time), and within its own message only.
             raw = buffer.numpy()
-            for _, offset, numel, dtype, into in self._recvs:
-                if into is None and numel and self.trailer_bytes:
+            for (_, offset, numel, dtype, _), lands in zip(self._recvs, landing):
+                if lands:
                     end = offset + numel * dtype.itemsize
                     raw[max(offset, end - self.trailer_bytes) : end] = 0
-        for handle, (peer, _, numel, _, into) in enumerate(self._recvs):
-            if not numel:
-                self._recv_work.append(None)
-                continue
-            target = into.view(-1) if into is not None else self._landing(handle)
-            self._recv_work.append(self.group.recv([target], peer, self.tag))
+        recv, tag, work = self.group.recv, self.tag, self._recv_work
+        for (peer, offset, numel, dtype, into), lands in zip(self._recvs, landing):
+            if lands:
+                assert buffer is not None
+                target = buffer[offset : offset + numel * dtype.itemsize].view(dtype)
+                work.append(recv([target], peer, tag))
+            elif numel:
+                assert into is not None
+                work.append(recv([into.view(-1)], peer, tag))
+            else:
+                work.append(None)
 
     def send(self, peer: int, wire: torch.Tensor, trailer: bytes | None = None) -> None:
         super().send(peer, wire, trailer)
@@ -344,8 +355,10 @@ class OneAllToAll(Transport):
     before the data.
     """
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, device: torch.device) -> None:
-        super().__init__(group, rank, device)
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device
+    ) -> None:
+        super().__init__(group, rank, world, device)
         self._work: Any = None
         self._control_out: dict[int, torch.Tensor] = {}
         self._control_in: torch.Tensor | None = None

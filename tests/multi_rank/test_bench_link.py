@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+import qcomm
 from qcomm.benchmark import link as qlink
 from qcomm.benchmark.launch import spawn_local
 from qcomm.benchmark.options import BenchConfig
@@ -86,6 +87,7 @@ def test_a_short_run_on_a_1gbit_link(tmp_path: Any) -> None:
     # the rate plus the bucket's burst.
     for key in ("one_way_GBps", "both_ways_GBps"):
         assert 0.5 * 0.125 < link[key] < 1.1 * 0.125, (key, link)
+    assert "same_host_both_ways_GBps" not in link  # a rank per host
     points = {p["label"]: p for p in results["collectives"] if p["pass"] == "fwd"}
     assert {"noop", "int8", "bare:p2p", "bare:native"} <= set(points)
     for label, p in points.items():
@@ -207,6 +209,12 @@ def test_two_hosts_of_two_ranks_share_a_namespace_each(tmp_path: Any) -> None:
     assert results["meta"]["ranks_per_host"] == 2
     # Measured between hosts (ranks 0 and 2): the shaped link's rate.
     assert 0.5 * 0.125 < results["link"]["one_way_GBps"] < 1.1 * 0.125, results["link"]
+    # And inside a host (ranks 0 and 1, unshaped), for the planner's profile.
+    inside = results["link"]["same_host_both_ways_GBps"]
+    assert inside > 1.1 * 0.125, results["link"]
+    profile = qcomm.profile_from_bench(results)
+    assert profile.intra_host_Bps == pytest.approx(1e9 * inside)
+    assert profile.inter_host_Bps == pytest.approx(1e9 * results["link"]["both_ways_GBps"])
     points = {p["label"]: p for p in results["collectives"] if p["pass"] == "fwd"}
     for label, p in points.items():
         assert p["status"] == "ok", (label, p["error"])

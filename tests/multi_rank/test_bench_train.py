@@ -320,3 +320,27 @@ def test_the_json_reads_back_as_typed_results_and_writes_the_same_text(smoke):
     assert [r.label for r in typed.train.series] == [r["label"] for r in results["train"]["series"]]
     again = jsonable({**typed.to_json(), "units": results["units"]})
     assert json.dumps(again) == json.dumps(results)
+
+
+def test_a_planners_plan_is_the_sharding_every_series_trains(plain, tmp_path_factory):
+    # The default shards t0 table-wise on rank 0 and t1 row-wise; the plan
+    # the other way round. The int8/bf16 series (int8 on the all-to-all and
+    # the reduce-scatter alike) then rounds each table's embeddings through
+    # the other collective, while float32 learns the same to its rounding.
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    plan = {"t0": "row_wise", "t1": "table_wise:0"}
+    path.write_text(json.dumps(plan))
+    config, status, results = _spawn(
+        tmp_path_factory, "--train-loop", "plain", "--no-fbgemm", "--train-plan", str(path)
+    )
+    assert status == 0
+    model = results["train"]["model"]
+    assert config.train_plan == plan and model["plan"] == plan
+    assert (model["table_wise"], model["row_wise"]) == (1, 1)
+    rows = {r["label"]: r for r in results["train"]["series"]}
+    default = {r["label"]: r for r in plain[2]["train"]["series"]}
+    for label, r in rows.items():
+        assert r["status"] == "ok", (label, r["error"])
+    planned, mixed = rows["qcomm int8/bf16"]["losses"], default["qcomm int8/bf16"]["losses"]
+    assert planned != mixed
+    assert rows["fp32"]["losses"] == pytest.approx(default["fp32"]["losses"], rel=1e-5)
