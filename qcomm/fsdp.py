@@ -281,8 +281,7 @@ class FSDPCommState:
         self._replicas = replicas
         self.chunk_bytes = chunk_bytes
         self.modules: list[str] = []
-        #: how many restored residuals did not fit their module's gradients
-        #: (another world size or model) and were dropped
+        # Restored residuals that did not fit their module's gradients.
         self.resets = 0
         self._residuals: dict[str, _ModuleResiduals] = {}
 
