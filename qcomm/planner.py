@@ -26,13 +26,14 @@ import dataclasses
 import json
 import math
 import os
+import types
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from qcomm.ops import CommOp
-from qcomm.types import HostCodecs, NoOpQuantizedCommCodec, codec_info
+from qcomm.types import HostCodecs, NoOpQuantizedCommCodec, codec_info, read_quantized_dtype
 
 __all__ = [
     "DEFAULT_CODEC_BPS",
@@ -81,6 +82,8 @@ class CommsProfile:
         source (str, optional): where the figures come from. Default: ``"model"``.
 
     Raises:
+        TypeError: for ``encode_Bps`` or ``decode_Bps`` that is not a mapping,
+            naming it.
         ValueError: for a rate that is not a positive number, naming it.
 
     Examples::
@@ -98,6 +101,16 @@ class CommsProfile:
     source: str = "model"
 
     def __post_init__(self) -> None:
+        for kind in ("encode_Bps", "decode_Bps"):
+            value = getattr(self, kind)
+            if not isinstance(value, Mapping):
+                raise TypeError(
+                    f"{kind}: expected a mapping from codec names to bytes/s, "
+                    f"got {type(value).__name__}"
+                )
+            # Read-only, so that a shared profile (DEFAULT_PROFILE) cannot be
+            # changed in place behind its frozen fields.
+            object.__setattr__(self, kind, types.MappingProxyType(dict(value)))
         rates = {
             "inter_host_Bps": self.inter_host_Bps,
             "intra_host_Bps": self.intra_host_Bps,
@@ -111,27 +124,38 @@ class CommsProfile:
             if math.isinf(value) and name.endswith("host_Bps"):
                 raise ValueError(f"{name}: expected a finite rate, got {value!r}")
 
-    def codec_seconds(self, name: str, float32_bytes: float, *, encode: bool) -> float:
+    def codec_seconds(self, codec: Any, float32_bytes: float, *, encode: bool) -> float:
         r"""
-        codec_seconds(name: str, float32_bytes: float, *, encode: bool) -> float
+        codec_seconds(codec: str | QuantizedCommCodec, float32_bytes: float, *, encode: bool) -> float
 
-        Seconds codec ``name`` takes to encode (or decode) ``float32_bytes``;
-        none for the no-op codec.
+        Seconds a codec takes to encode (or decode) ``float32_bytes``; none
+        for a codec that changes nothing: qcomm's or TorchRec's no-op codec
+        (of any wire dtype), a codec whose wire is the float32 data itself,
+        or the name ``"noop"``.
 
         Args:
-            name (str): the codec's name.
+            codec (str | QuantizedCommCodec): the codec, or its name.
             float32_bytes (float): the float32 bytes.
             encode (bool): encode, else decode.
+
+        Returns:
+            float: the seconds.
         """
-        if name == "noop":
+        if isinstance(codec, str):
+            name = codec
+            if name == "noop":
+                return 0.0
+        elif _sends_data_as_is(codec):
             return 0.0
+        else:
+            name = codec_info(codec).name
         rates = self.encode_Bps if encode else self.decode_Bps
         return float32_bytes / rates.get(name, DEFAULT_CODEC_BPS)
 
 
 def _default_profile() -> CommsProfile:
     # TorchRec's own defaults (BasicCommsBandwidths), written out so that
-    # qcomm imports without TorchRec: 12.5 GB/s between hosts, 600 GB/s inside.
+    # qcomm imports without TorchRec: 12.5 GiB/s between hosts, 600 GiB/s inside.
     return CommsProfile(inter_host_Bps=12.5 * 1024**3, intra_host_Bps=600 * 1024**3)
 
 
@@ -139,6 +163,24 @@ def _default_profile() -> CommsProfile:
 #: (12.5 GiB/s between hosts, 600 GiB/s inside a host) and
 #: :data:`~qcomm.planner.DEFAULT_CODEC_BPS` for every codec
 DEFAULT_PROFILE = _default_profile()
+
+
+def _sends_data_as_is(codec: Any, data_dtype: torch.dtype = torch.float32) -> bool:
+    # Decided by the codec, not its name: TorchRec's no-op is named after its
+    # class, and a plugin's pass-through may be named anything.
+    if isinstance(codec, NoOpQuantizedCommCodec):
+        return True
+    try:
+        from torchrec.distributed.types import NoOpQuantizedCommCodec as TorchRecNoOp
+    except ImportError:
+        pass
+    else:
+        if isinstance(codec, TorchRecNoOp):
+            return True
+    if read_quantized_dtype(codec) != data_dtype:
+        return False
+    ctx = codec.create_context()
+    return bool(int(codec.calc_quantized_size(1024, ctx)) == 1024)
 
 
 def wire_bytes(codec: Any, rows: int, cols: int, *, pooled: bool = True) -> int:
@@ -159,6 +201,9 @@ def wire_bytes(codec: Any, rows: int, cols: int, *, pooled: bool = True) -> int:
             (else a reduce-scatter, all-gather or sequence all-to-all, which
             pad nothing). Default: ``True``.
 
+    Returns:
+        int: the bytes.
+
     Raises:
         ValueError: for a negative ``rows`` or ``cols``.
 
@@ -176,7 +221,8 @@ def wire_bytes(codec: Any, rows: int, cols: int, *, pooled: bool = True) -> int:
         # A meta tensor: padded_size reads the shape only.
         block = torch.empty(rows, cols, device="meta")
         cols, _ = codec.padded_size(block, [cols], 0, ctx)
-    itemsize: int = codec.quantized_dtype.itemsize
+    # TorchRec's no-op codec has quantized_dtype as a method, qcomm's a property.
+    itemsize: int = read_quantized_dtype(codec).itemsize
     return int(codec.calc_quantized_size(rows * cols, ctx)) * itemsize
 
 
@@ -212,30 +258,32 @@ def _peer_seconds(
             continue
         codec = _side(_pair(codecs, same), forward)
         rate = profile.intra_host_Bps if same else profile.inter_host_Bps
-        name = codec_info(codec).name
         float32 = 4.0 * rows * cols
         seconds += peers * wire_bytes(codec, rows, cols, pooled=pooled) / rate
-        seconds += peers * profile.codec_seconds(name, float32, encode=True)
-        seconds += peers * profile.codec_seconds(name, float32, encode=False)
+        seconds += peers * profile.codec_seconds(codec, float32, encode=True)
+        seconds += peers * profile.codec_seconds(codec, float32, encode=False)
     return seconds
 
 
 def _allreduce_seconds(
     profile: CommsProfile, codec: Any, numel: int, world_size: int, local_world_size: int
 ) -> float:
-    # A ring: every rank sends 2 (n - 1) / n of the buffer, encoded, through
-    # the slowest link on the ring.
+    # qcomm's all-reduce (collectives/all_reduce.py): a reduce-scatter, where
+    # a rank encodes the n - 1 blocks its peers own and decodes the n - 1 it
+    # receives for its own, then an all-gather, where it encodes its block
+    # once and decodes the n - 1 of its peers and its own (so that every
+    # rank holds the same values). Each rank sends 2 (n - 1) / n of the
+    # buffer through the slowest link on the way.
     if world_size <= 1:
         return 0.0
-    share = 2.0 * (world_size - 1) / world_size
-    rate = profile.intra_host_Bps if world_size <= local_world_size else profile.inter_host_Bps
+    n = world_size
+    share = 2.0 * (n - 1) / n
+    rate = profile.intra_host_Bps if n <= local_world_size else profile.inter_host_Bps
     float32 = 4.0 * numel
-    name = codec_info(codec).name
     wire = wire_bytes(codec, numel, 1, pooled=False)
-    coding = profile.codec_seconds(name, float32, encode=True) + profile.codec_seconds(
-        name, float32, encode=False
-    )
-    return share * (wire / rate) + 2.0 * coding
+    encode = profile.codec_seconds(codec, float32, encode=True)
+    decode = profile.codec_seconds(codec, float32 * (2 * n - 1) / n, encode=False)
+    return share * (wire / rate) + encode + decode
 
 
 def _rows(option: Any, constraints: Any) -> float:
@@ -273,7 +321,8 @@ class CodecPerfEstimator:
       ``dense_codec`` (what :func:`~qcomm.ddp_comm_hook` sends).
 
     Each block costs its wire bytes (:func:`~qcomm.planner.wire_bytes`) over the link to
-    its peer (a peer on the same host, rank ``r // local_world_size``, over
+    its peer (a peer on the same host, rank ``r // local_world_size`` or, for a
+    :class:`~qcomm.HostCodecs` that sets it, ``r // ranks_per_host``, over
     :attr:`~qcomm.CommsProfile.intra_host_Bps`, else :attr:`~qcomm.CommsProfile.inter_host_Bps`)
     plus its encode and decode time, with the codec of that peer where the
     registry holds a :class:`~qcomm.HostCodecs`, in milliseconds as TorchRec
@@ -294,11 +343,14 @@ class CodecPerfEstimator:
         constraints (Mapping, optional): the planner's ``ParameterConstraints``
             by table. Default: ``None``.
         dense_codec (str | QuantizedCommCodec, optional): the DDP hook's
-            codec, for data-parallel tables. Default: ``None`` (float32).
+            codec, for data-parallel tables. Default: ``None`` (none: each
+            table's gradients at its own dtype).
 
     Raises:
         TypeError: for a registry that is not a mapping, or a profile that
             is not a :class:`CommsProfile`.
+        ValueError: for a :class:`~qcomm.HostCodecs` in the registry whose
+            ``ranks_per_host`` is not the topology's ``local_world_size``.
 
     Examples::
 
@@ -332,11 +384,21 @@ class CodecPerfEstimator:
             from qcomm.discovery import load_codec
 
             dense_codec = load_codec(dense_codec)
+        local = topology.local_world_size
+        for op, codecs in (registry or {}).items():
+            per_host = getattr(codecs, "ranks_per_host", None)
+            if isinstance(codecs, HostCodecs) and per_host is not None and per_host != local:
+                # The codecs by host split the peers as ranks_per_host says:
+                # a plan costed on another split is costed on the wrong links.
+                raise ValueError(
+                    f"registry: {op}'s HostCodecs has ranks_per_host={per_host}, but "
+                    f"topology has local_world_size={local}; give both the same"
+                )
         self._topology = topology
         self._registry = dict(registry or {})
         self._profile = profile or DEFAULT_PROFILE
         self._constraints = constraints
-        self._dense = dense_codec if dense_codec is not None else NoOpQuantizedCommCodec()
+        self._dense = dense_codec
         self._torchrec = EmbeddingPerfEstimator(topology=topology, constraints=constraints)
 
     @property
@@ -348,17 +410,27 @@ class CodecPerfEstimator:
         """
         return self._profile
 
-    def estimate(self, sharding_options: list[Any], sharder_data_map: Any = None) -> None:
+    def estimate(self, sharding_options: list[Any], sharder_data_map: Any) -> None:
         r"""
-        estimate(sharding_options: list[torchrec.distributed.planner.types.ShardingOption], sharder_data_map: torchrec.distributed.planner.types.SharderDataMap | None = None) -> None
+        estimate(sharding_options: list[torchrec.distributed.planner.types.ShardingOption], sharder_data_map: torchrec.distributed.planner.types.SharderDataMap) -> None
 
-        Sets each shard's ``perf``, in place, as TorchRec's estimators do.
+        Sets each shard's ``perf``, in place, as TorchRec's estimators do
+        (TorchRec's ``ShardEstimator.estimate``).
 
         Args:
             sharding_options (list[torchrec.distributed.planner.types.ShardingOption]): the options to estimate.
-            sharder_data_map (torchrec.distributed.planner.types.SharderDataMap, optional): TorchRec's sharder data.
-                Default: ``None``.
+            sharder_data_map (torchrec.distributed.planner.types.SharderDataMap): TorchRec's
+                sharder data, as its enumerator passes it.
+
+        Raises:
+            ValueError: for a ``sharder_data_map`` that is ``None``.
         """
+        if sharder_data_map is None:
+            # TorchRec's own estimator reads it for every option.
+            raise ValueError(
+                "sharder_data_map: expected TorchRec's SharderDataMap (the enumerator passes "
+                "it; build_sharder_data of each sharder), got None"
+            )
         self._torchrec.estimate(sharding_options, sharder_data_map=sharder_data_map)
         for option in sharding_options:
             for shard in option.shards:
@@ -377,6 +449,9 @@ class CodecPerfEstimator:
         Args:
             option (torchrec.distributed.planner.types.ShardingOption): the table's option.
             shard (torchrec.distributed.planner.types.Shard): one of its shards (``size`` is ``[rows, dim]``).
+
+        Returns:
+            tuple[float, float] | None: forward and backward milliseconds, or ``None``.
         """
         from torchrec.distributed.types import ShardingType
 
@@ -385,9 +460,11 @@ class CodecPerfEstimator:
         local = self._topology.local_world_size
         rows_total, cols = int(shard.size[0]), int(shard.size[1])
         if kind == ShardingType.DATA_PARALLEL.value:
-            seconds = _allreduce_seconds(
-                self._profile, self._dense, rows_total * cols, world, local
-            )
+            dense = self._dense
+            if dense is None:
+                # No hook: DDP all-reduces the gradients at the table's dtype.
+                dense = NoOpQuantizedCommCodec(option.tensor.dtype)
+            seconds = _allreduce_seconds(self._profile, dense, rows_total * cols, world, local)
             return 0.0, _MS * seconds
         a2a = (
             ShardingType.TABLE_WISE.value,
@@ -406,9 +483,11 @@ class CodecPerfEstimator:
         if not option.is_pooled and kind == ShardingType.ROW_WISE.value:
             rows /= world  # a row-wise shard looks up its share of the ids
         block = math.ceil(rows)
+        codecs = self._registry.get(op.name)
+        if isinstance(codecs, HostCodecs) and codecs.ranks_per_host is not None:
+            local = codecs.ranks_per_host  # what decides which codec a peer gets
         same = min(local, world) - 1
         peers = dict(same_host_peers=same, other_host_peers=world - 1 - same)
-        codecs = self._registry.get(op.name)
         pooled = op is CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL
         fwd, bwd = (
             _peer_seconds(
@@ -454,6 +533,9 @@ def planner_topology(
             (:data:`~qcomm.planner.DEFAULT_PROFILE`).
         **kwargs: the rest of ``Topology``'s arguments.
 
+    Returns:
+        torchrec.distributed.planner.types.Topology: the topology.
+
     Raises:
         ValueError: for a world or local world size that is not a positive int.
         TypeError: for a profile that is not a :class:`CommsProfile`.
@@ -498,8 +580,20 @@ def profile_from_bench(results: str | os.PathLike[str] | Mapping[str, Any]) -> C
     Args:
         results (str | os.PathLike | Mapping[str, Any]): the file, or its JSON content.
 
+    Returns:
+        CommsProfile: the rates, its ``source`` ``"bench"`` where the file
+        measured any.
+
     Raises:
-        ValueError: for a file that is not a bench run's JSON.
+        ValueError: for a file that cannot be read, or is not a bench run's
+            JSON, naming ``results``.
+
+    .. note::
+
+        A codec run with several parameter sets (``int8`` and
+        ``int8:row_dim=64``) is costed at the run with its default ones (the
+        bare name), else at its first; codecs by host (``same_host=...``)
+        are not single codecs and are left out.
     """
     from qcomm.benchmark.metrics import TCP_EFFICIENCY
     from qcomm.benchmark.results import LinkFigures, Results
@@ -507,8 +601,13 @@ def profile_from_bench(results: str | os.PathLike[str] | Mapping[str, Any]) -> C
     if isinstance(results, Mapping):
         data = results
     else:
-        with open(results) as f:
-            data = json.load(f)
+        try:
+            with open(results) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"results: cannot read {os.fspath(results)!r} as a qcomm bench --json file: {err}"
+            ) from None
     if not isinstance(data, Mapping) or "meta" not in data:
         raise ValueError(f"results: expected the JSON of a qcomm bench run, got {results!r}")
     run = Results.of(data)
@@ -533,10 +632,17 @@ def profile_from_bench(results: str | os.PathLike[str] | Mapping[str, Any]) -> C
         copy = 1e9 * run.roofline.copy_GBps
     encode: dict[str, float] = {}
     decode: dict[str, float] = {}
+    bare: set[str] = set()  # names whose rates come from the default parameters
     for row in run.codecs or []:
         if row.source != "qcomm" or row.status != "ok":
             continue
-        name = row.codec.split(":")[0]
+        name, _, params = row.codec.partition(":")
+        if "=" in name or name in bare or (params and name in encode | decode):
+            continue
+        if not params:
+            bare.add(name)
+        encode.pop(name, None)
+        decode.pop(name, None)
         if row.encode_GBps:
             encode[name] = 1e9 * row.encode_GBps
         if row.decode_GBps:
@@ -569,7 +675,11 @@ def plan_specs(plan: Any) -> dict[str, str]:
         plan (torchrec.distributed.types.ShardingPlan | Mapping[str, torchrec.distributed.types.ParameterSharding]): the planner's
             plan (of one module), or one module's table-to-sharding mapping.
 
+    Returns:
+        dict[str, str]: each table's sharding, by table name.
+
     Raises:
+        TypeError: for a plan that is neither a ``ShardingPlan`` nor a mapping.
         ValueError: for a plan of several modules, or a sharding type
             outside :data:`~qcomm.planner.PLAN_SHARDINGS`, naming the table.
     """
@@ -581,6 +691,11 @@ def plan_specs(plan: Any) -> dict[str, str]:
                 f"plan: expected the plan of one embedding module, got {len(modules)} modules"
             )
         tables = modules[0]
+    if not isinstance(tables, Mapping):
+        raise TypeError(
+            f"plan: expected TorchRec's ShardingPlan or a mapping from table names to "
+            f"ParameterSharding, got {type(tables).__name__}"
+        )
     specs = {}
     for name, sharding in tables.items():
         kind = sharding.sharding_type

@@ -165,7 +165,9 @@ def _target(spec: str) -> tuple[Any, str, Any]:
     *classes, name = path.split(".")
     for cls in classes:
         owner = getattr(owner, cls)
-    return owner, name, owner.__dict__[name]
+    if name not in vars(owner):
+        raise AttributeError(f"qcomm bench --profile: {spec} is gone; update PHASES")
+    return owner, name, vars(owner)[name]
 
 
 def _collective_modules() -> list[Any]:
@@ -222,7 +224,7 @@ class PhaseProfile:
         call_s (float): seconds per call, unprofiled (median of rounds).
         profiled_s (float): seconds per call while profiled.
         phases_s (dict[str, float]): seconds per call by phase, ``other`` last.
-        calls (dict[str, int]): function calls per call, by phase.
+        calls (dict[str, float]): function calls per call, by phase.
         torchrec_s (float | None): TorchRec's ``alltoall_pooled`` without codecs (pooled only).
         bare_s (float | None): the bare point-to-point exchange of the same bytes.
     """

@@ -554,9 +554,12 @@ def _train_what(results: Results, train: DlrmTrain | MlpTrain) -> list[str]:
             if model.loop == "pipeline"
             else "a plain loop (forward, backward, optimizer)"
         )
+        shardings = f"{model.table_wise} table-wise, {model.row_wise} row-wise"
+        if model.column_wise:
+            shardings += f", {model.column_wise} column-wise"
         what = (
             f"TorchRec DLRM: {model.tables} tables of {model.rows} rows x {model.dim} "
-            f"({model.table_wise} table-wise, {model.row_wise} row-wise), batch "
+            f"({shardings}), batch "
             f"{model.batch_per_rank} per rank, trained in {loop}; {steps}"
         )
     return [

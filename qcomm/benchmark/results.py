@@ -366,6 +366,8 @@ class DlrmModel:
     tables: int | None = _part()
     table_wise: int | None = _part()
     row_wise: int | None = _part()
+    #: column-wise tables, where --train-plan gives any
+    column_wise: int | None = _part(omit_none=True)
     #: each table's sharding where --train-plan gave it
     plan: dict[str, str] | None = _part(omit_none=True)
     rows: int | None = _part()

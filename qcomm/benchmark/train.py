@@ -365,6 +365,36 @@ def table_wise_count(config: BenchConfig) -> int:
     return {"table_wise": tables, "row_wise": 0}.get(config.train_sharding, (tables + 1) // 2)
 
 
+def sharding_counts(config: BenchConfig) -> dict[str, int]:
+    r"""
+    sharding_counts(config: BenchConfig) -> dict[str, int]
+
+    How many tables the run shards each way: table-wise, row-wise and
+    column-wise, as ``--train-plan`` gives them, else as
+    :func:`table_wise_count` splits them.
+
+    Args:
+        config (BenchConfig): the run's settings.
+
+    Returns:
+        dict[str, int]: the tables by sharding type (``"table_wise"``,
+        ``"row_wise"``, ``"column_wise"``).
+
+    Examples::
+
+        >>> sharding_counts(BenchConfig(train_tables=3, train_plan={"t0": "table_wise:0", "t1": "column_wise:0,1", "t2": "row_wise"}))
+        {'table_wise': 1, 'row_wise': 1, 'column_wise': 1}
+    """
+    counts = dict.fromkeys(("table_wise", "row_wise", "column_wise"), 0)
+    if config.train_plan:
+        for spec in config.train_plan.values():
+            counts[spec.partition(":")[0]] += 1
+        return counts
+    counts["table_wise"] = table_wise_count(config)
+    counts["row_wise"] = config.train_tables - counts["table_wise"]
+    return counts
+
+
 def _sharded_model(
     series: TrainSeries, config: BenchConfig, group: Any, device: torch.device
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -676,10 +706,12 @@ class Dlrm:
             if twin is not None and twin.step_s and row.step_s:
                 row.vs_eager = twin.step_s / row.step_s
         gbps = link_gbps(config)
+        shardings = sharding_counts(config)
         model = DlrmModel(
             tables=config.train_tables,
-            table_wise=table_wise_count(config),
-            row_wise=config.train_tables - table_wise_count(config),
+            table_wise=shardings["table_wise"],
+            row_wise=shardings["row_wise"],
+            column_wise=shardings["column_wise"] or None,
             plan=config.train_plan,
             rows=ROWS,
             dim=config.train_dim,

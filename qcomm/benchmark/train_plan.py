@@ -27,6 +27,9 @@ def parse_plan(data: Any, tables: int, world_size: int) -> dict[str, str]:
         tables (int): the model's tables, ``t0`` to ``t{tables - 1}``.
         world_size (int): the ranks.
 
+    Returns:
+        dict[str, str]: each table's sharding, by table name.
+
     Raises:
         ValueError: naming ``--train-plan`` and the table, for a plan that
             misses a table, names another, or gives a sharding or rank that
@@ -80,6 +83,9 @@ def read_plan(path: str, tables: int, world_size: int) -> dict[str, str]:
         tables (int): the model's tables.
         world_size (int): the ranks.
 
+    Returns:
+        dict[str, str]: each table's sharding, by table name.
+
     Raises:
         ValueError: for a file that cannot be read or a plan that does not fit.
     """
@@ -101,6 +107,9 @@ def table_generators(plan: Mapping[str, str]) -> dict[str, Any]:
 
     Args:
         plan (Mapping[str, str]): the checked plan (:func:`parse_plan`).
+
+    Returns:
+        dict[str, Any]: each table's generator, by table name.
     """
     from torchrec.distributed.sharding_plan import (
         column_wise,

@@ -60,6 +60,8 @@ def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
             f"group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
         )
     known = _members.get(group)
+    if known is not None and group not in dist.distributed_c10d._world.pg_map:
+        known = None  # destroyed since: torch says so below
     if known is None:
         rank = dist.get_rank(group)
         if rank < 0:
@@ -126,10 +128,12 @@ def check_splits(
     return out
 
 
-# Codecs found to follow the contract, with the backends they passed for: a
-# protocol check asks every member of the contract, a fair share of a small
-# call, and a codec object does not change class between calls.
-_checked: weakref.WeakKeyDictionary[Any, set[Backend]] = weakref.WeakKeyDictionary()
+# Codecs found to follow the contract, with the backends and wire dtypes they
+# passed for: a protocol check asks every member of the contract, a fair
+# share of a small call. A codec object keeps its class from call to call;
+# its wire dtype is read again every call (a codec changed in place to one
+# the backend cannot carry is still refused).
+_checked: weakref.WeakKeyDictionary[Any, set[tuple[Backend, Any]]] = weakref.WeakKeyDictionary()
 
 
 def check_codec(codec: Any, name: str, backend: Backend) -> None:
@@ -139,10 +143,14 @@ def check_codec(codec: Any, name: str, backend: Backend) -> None:
     except TypeError:  # not weakly referenceable, or unhashable: checked every time
         _check_codec(codec, name, backend)
         return
-    if passed is not None and backend in passed:
-        return
+    if passed is not None:
+        try:
+            if (backend, read_quantized_dtype(codec)) in passed:
+                return
+        except Exception:  # noqa: BLE001 - the full check below says what is wrong
+            pass
     _check_codec(codec, name, backend)
-    _checked.setdefault(codec, set()).add(backend)
+    _checked.setdefault(codec, set()).add((backend, read_quantized_dtype(codec)))
 
 
 def _check_codec(codec: Any, name: str, backend: Backend) -> None:
@@ -203,14 +211,18 @@ def resolve_codecs(codecs: Any, dtype: torch.dtype, backend: Backend) -> tuple[A
         )
     # Without codecs the data travels in its own dtype, as with a plain
     # collective: no cast, no extra bytes.
-    noop = _noops.get(dtype)
-    if noop is None:
-        noop = _noops[dtype] = NoOpQuantizedCommCodec(dtype)
-    return noop, noop
+    return _noop(dtype), _noop(dtype)
 
 
 # qcomm's no-op codec of each dtype, made once (it keeps no state).
 _noops: dict[torch.dtype, NoOpQuantizedCommCodec] = {}
+
+
+def _noop(dtype: torch.dtype) -> NoOpQuantizedCommCodec:
+    noop = _noops.get(dtype)
+    if noop is None:
+        noop = _noops[dtype] = NoOpQuantizedCommCodec(dtype)
+    return noop
 
 
 def pair_codecs(
@@ -233,7 +245,7 @@ def pair_codecs(
         return resolve_codecs(policy, dtype, backend)
     codecs = []
     for name, codec in (("reduce_codec", reduce_codec), ("gather_codec", gather_codec)):
-        codec = NoOpQuantizedCommCodec(dtype) if codec is None else codec
+        codec = _noop(dtype) if codec is None else codec
         check_codec(codec, name, backend)
         codecs.append(codec)
     return codecs[0], codecs[1]

@@ -297,12 +297,13 @@ class PointToPoint(Transport):
         landing = [(into is None and numel > 0) for _, _, numel, _, into in self._recvs]
         buffer = self._shared(self._end) if any(landing) else None
         if buffer is not None and self.trailer_bytes:
-            # Kept memory may hold an earlier call's trailer where this call
-            # expects one, and gloo takes a message shorter than posted
-            # without a word: a peer that sent too little must not leave an
-            # old trailer in sight. Trailers end a message; every one is
-            # cleared before any receive is posted (one in flight is written
-            # to at any time), and within its own message only.
+            # Memory, kept or fresh from malloc, may hold an earlier call's
+            # trailer where this call expects one, and gloo takes a message
+            # shorter than posted without a word: a peer that sent too
+            # little must not leave an old trailer in sight. Trailers end a
+            # message; every one is cleared before any receive is posted
+            # (one in flight is written to at any time), and within its own
+            # message only.
             raw = buffer.numpy()
             for (_, offset, numel, dtype, _), lands in zip(self._recvs, landing):
                 if lands:

@@ -211,6 +211,21 @@ def test_quick_run_codec_figures(quick_run):
         assert row["max_rel_error"] <= info.rel_error_bound + info.abs_error_bound, name
 
 
+def test_quick_run_json_gives_the_planner_its_codec_rates(quick_run):
+    # The planner reads a real bench file: each working qcomm codec's rates
+    # as the run measured them, the copy's from the roofline.
+    _, names, results, _ = quick_run
+    profile = qcomm.profile_from_bench(results)
+    rows = {r["codec"]: r for r in results["codecs"] if r["source"] == "qcomm"}
+    measured = [n for n in _working_codecs(names) if n != "noop"]
+    assert measured
+    for name in measured:
+        assert profile.encode_Bps[name] == pytest.approx(1e9 * rows[name]["encode_GBps"])
+        assert profile.decode_Bps[name] == pytest.approx(1e9 * rows[name]["decode_GBps"])
+    assert profile.copy_Bps == pytest.approx(1e9 * results["roofline"]["copy_GBps"])
+    assert profile.source == "bench"
+
+
 def test_quick_run_fbgemm_rows(quick_run):
     _, names, results, _ = quick_run
     if results["unavailable"]["fbgemm"]:

@@ -93,4 +93,5 @@ def test_every_phase_of_a_call_is_entered(profiled: tuple[str, dict]) -> None:
             assert (p["calls"]["background hand-off"] > 0) == handed, where
             assert p["call_s"] > 0 and p["profiled_s"] > 0, where
             assert p["torchrec_s"] is not None and p["bare_s"] is not None, where
-            assert sum(p["phases_s"].values()) >= p["profiled_s"] * 0.99, where
+            # The phases account for the call: what none claims is a small rest.
+            assert p["phases_s"]["other"] < 0.5 * p["profiled_s"], where

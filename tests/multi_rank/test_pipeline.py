@@ -393,7 +393,10 @@ def test_automatic_chunk_size() -> None:
     assert qexchange.chunk_elements(1 << 18, None) == 1 << 18
     assert qexchange.chunk_elements(1 << 20, None) == 1 << 18  # at least 1 MiB of float32
     assert qexchange.chunk_elements(1 << 26, None) == 1 << 23  # at most 8 chunks
+    assert qexchange.chunk_elements(1 << 26, None, identity=True) == 1 << 24  # no-op: 4
+    assert qexchange.chunk_elements(1 << 20, None, identity=True) == 1 << 18  # still 1 MiB
     assert qexchange.chunk_elements(1 << 26, 4096) == 1024  # float32 bytes
+    assert qexchange.chunk_elements(1 << 26, 4096, identity=True) == 1024  # as given
 
 
 def test_rows_cut_at_whole_rows_and_blocks() -> None:

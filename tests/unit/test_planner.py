@@ -58,15 +58,21 @@ def _options(
     topology: Any,
     sharding: str,
     tables: int = 1,
+    data_type: Any = None,
 ) -> list[Any]:
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
     from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
     from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.modules.embedding_configs import DataType
 
     configs = [
         EmbeddingBagConfig(
-            name=f"t{t}", embedding_dim=DIM, num_embeddings=4096, feature_names=[f"f{t}"]
+            name=f"t{t}",
+            embedding_dim=DIM,
+            num_embeddings=4096,
+            feature_names=[f"f{t}"],
+            data_type=data_type or DataType.FP32,
         )
         for t in range(tables)
     ]
@@ -172,21 +178,81 @@ def test_row_wise_shards_take_the_reduce_scatters_codecs() -> None:
         assert shard.perf.fwd_comms == pytest.approx(MS * fwd, rel=0.02)
 
 
+def _all_reduce_steps(n: int, numel: int, wire: float, codec: str | None) -> float:
+    # qcomm's all-reduce on n ranks (one per host), step by step, for one
+    # rank: the buffer is n blocks, each peer owns one.
+    block = numel / n
+    reduce_scatter = {"sent": n - 1, "encoded": n - 1, "decoded": n - 1}
+    # The owner decodes its own encoded block too, so that all ranks agree.
+    all_gather = {"sent": n - 1, "encoded": 1, "decoded": n}
+    steps = (reduce_scatter, all_gather)
+    seconds = sum(s["sent"] for s in steps) * block * wire / LINK
+    if codec is not None:
+        seconds += sum(s["encoded"] for s in steps) * 4 * block / ENCODE[codec]
+        seconds += sum(s["decoded"] for s in steps) * 4 * block / DECODE[codec]
+    return seconds
+
+
 def test_data_parallel_tables_are_all_reduced_at_the_ddp_hooks_codec() -> None:
-    topology = planner_topology(2, compute_device="cpu", local_world_size=1, profile=PROFILE)
+    from torchrec.modules.embedding_configs import DataType
+
+    n = 4
+    topology = planner_topology(n, compute_device="cpu", local_world_size=1, profile=PROFILE)
     registry = _registry(forward="int8", backward="bf16")
     plain = CodecPerfEstimator(topology, registry, profile=PROFILE)
     hooked = CodecPerfEstimator(topology, registry, profile=PROFILE, dense_codec="bf16")
     numel = 4096 * DIM
-    # A ring on two ranks: each sends half the buffer twice, encoded and decoded twice.
-    expected = {
-        plain: numel * 4 / LINK,
-        hooked: numel * 2 / LINK + 2 * _codec_s("bf16", numel),
-    }
-    for estimator, seconds in expected.items():
-        (option,) = _options(registry, estimator, topology, "data_parallel")
+    cases = [
+        (plain, DataType.FP32, _all_reduce_steps(n, numel, 4.0, None)),
+        (hooked, DataType.FP32, _all_reduce_steps(n, numel, 2.0, "bf16")),
+        # No hook: a half-precision table's gradients travel at two bytes each.
+        (plain, DataType.FP16, _all_reduce_steps(n, numel, 2.0, None)),
+    ]
+    for estimator, data_type, seconds in cases:
+        (option,) = _options(registry, estimator, topology, "data_parallel", data_type=data_type)
+        assert option.tensor.dtype == (
+            torch.float16 if data_type == DataType.FP16 else torch.float32
+        )
         assert option.shards[0].perf.bwd_comms == pytest.approx(MS * seconds, rel=0.02)
         assert option.shards[0].perf.fwd_comms == 0
+
+
+def test_a_registry_built_with_torchrecs_codecs_costs_its_no_op_as_free() -> None:
+    from torchrec.distributed.types import NoOpQuantizedCommCodec as TorchRecNoOp
+    from torchrec.distributed.types import QuantizedCommCodecs
+
+    # TorchRec's pair defaults its backward to its own no-op codec, whose
+    # quantized_dtype is a method.
+    registry = {A2A: QuantizedCommCodecs(forward=qcomm.load_codec("int8"))}
+    assert isinstance(registry[A2A].backward, TorchRecNoOp)
+    topology = planner_topology(2, compute_device="cpu", local_world_size=1, profile=PROFILE)
+    estimator = CodecPerfEstimator(topology, registry, profile=PROFILE)
+    # TorchRec 1.8's own enumerator cannot size that no-op's wire
+    # (build_sharder_data): the option comes from a qcomm registry.
+    (option,) = _options(_registry(forward="int8"), None, topology, "table_wise")
+    fwd_ms, bwd_ms = estimator.shard_comms(option, option.shards[0]) or (0.0, 0.0)
+    fwd = ELEMENTS * WIRE["int8"] / LINK + _codec_s("int8", ELEMENTS)
+    assert fwd_ms == pytest.approx(MS * fwd, rel=0.02)
+    assert bwd_ms == pytest.approx(MS * 4 * ELEMENTS / LINK, rel=1e-9)
+    assert wire_bytes(registry[A2A].backward, BATCH, DIM) == 4 * ELEMENTS
+
+    class PassThrough:
+        # A plugin's codec that sends the float32 data as it is, by any name.
+        info = qcomm.CodecInfo(name="pass_through", bits_per_element=32.0, summable=True)
+        quantized_dtype = torch.float32
+
+        def create_context(self) -> None:
+            return None
+
+        def calc_quantized_size(self, input_len: int, ctx: Any = None) -> int:
+            return input_len
+
+    profile = CommsProfile(
+        inter_host_Bps=LINK, intra_host_Bps=LINK, encode_Bps={"pass_through": 1.0}
+    )
+    for free in (TorchRecNoOp(), qcomm.NoOpQuantizedCommCodec(torch.float16), PassThrough()):
+        assert profile.codec_seconds(free, 1e9, encode=True) == 0.0, free
+    assert profile.codec_seconds(qcomm.load_codec("int8"), 1e9, encode=True) > 0
 
 
 def test_without_measurements_the_documented_model_stands_in() -> None:
@@ -261,6 +327,68 @@ def test_the_bench_measures_the_link_inside_a_host_for_the_planner() -> None:
     # A --train run names its link's rate only: TCP's share of it.
     train = {"meta": {"link": "1gbit"}, "link": {"spec": "1gbit", "rate_bps": 1e9}, "train": {}}
     assert profile_from_bench(train).inter_host_Bps == pytest.approx(1e9 / 8 * 0.95)
+
+
+def test_codecs_by_host_must_split_the_hosts_as_the_topology_does() -> None:
+    from torchrec.distributed.types import QuantizedCommCodecs
+
+    pair = QuantizedCommCodecs(qcomm.load_codec("int8"), qcomm.load_codec("bf16"))
+    registry = {A2A: qcomm.HostCodecs(other_host=pair, ranks_per_host=2)}
+    flat = planner_topology(4, compute_device="cpu", local_world_size=1, profile=PROFILE)
+    with pytest.raises(ValueError, match=r"ranks_per_host=2.*local_world_size=1"):
+        CodecPerfEstimator(flat, registry, profile=PROFILE)
+    # Two per host, as the codecs say: one peer inside the host, uncoded.
+    topology = planner_topology(4, compute_device="cpu", local_world_size=2, profile=PROFILE)
+    estimator = CodecPerfEstimator(topology, registry, profile=PROFILE)
+    (option,) = _options(registry, estimator, topology, "table_wise")
+    inside = 4 * ELEMENTS / PROFILE.intra_host_Bps
+    fwd = inside + 2 * (ELEMENTS * WIRE["int8"] / LINK + _codec_s("int8", ELEMENTS))
+    assert option.shards[0].perf.fwd_comms == pytest.approx(MS * fwd, rel=0.02)
+
+
+def test_the_estimator_takes_torchrecs_sharder_data_and_refuses_none() -> None:
+    registry = _registry(forward="int8", backward="bf16")
+    topology = planner_topology(2, compute_device="cpu", local_world_size=1, profile=PROFILE)
+    estimator = CodecPerfEstimator(topology, registry, profile=PROFILE)
+    options = _options(registry, estimator, topology, "table_wise")
+    with pytest.raises(ValueError, match="sharder_data_map"):
+        estimator.estimate(options, None)
+
+
+def test_a_codec_benched_with_several_parameter_sets_is_costed_at_its_defaults() -> None:
+    codec = {"source": "qcomm", "status": "ok", "decode_GBps": 9.0}
+    data = _bench_json(link=False)
+    data["codecs"] = [
+        {**codec, "codec": "int8:row_dim=64", "encode_GBps": 3.0},
+        {**codec, "codec": "int8", "encode_GBps": 2.0},
+        {**codec, "codec": "int8:row_dim=16", "encode_GBps": 7.0},
+        {**codec, "codec": "mx4:a=1", "encode_GBps": 5.0},
+        {**codec, "codec": "mx4:a=2", "encode_GBps": 6.0},
+        {**codec, "codec": "same_host=noop/noop+other_host=int8/bf16", "encode_GBps": 1.0},
+    ]
+    profile = profile_from_bench(data)
+    assert dict(profile.encode_Bps) == {"int8": 2e9, "mx4": 5e9}
+    assert dict(profile.decode_Bps) == {"int8": 9e9, "mx4": 9e9}
+
+
+def test_bad_bench_files_profiles_and_plans_are_refused_naming_them(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="results: cannot read"):
+        profile_from_bench(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="results: cannot read"):
+        profile_from_bench(bad)
+    with pytest.raises(TypeError, match="encode_Bps"):
+        CommsProfile(inter_host_Bps=1.0, intra_host_Bps=1.0, encode_Bps=[1.0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="plan"):
+        plan_specs(["t0"])
+    # The shared default cannot be changed in place.
+    with pytest.raises(TypeError):
+        DEFAULT_PROFILE.encode_Bps["int8"] = 1.0  # type: ignore[index]
+    rates = {"int8": 2e9}
+    profile = CommsProfile(inter_host_Bps=1.0, intra_host_Bps=1.0, encode_Bps=rates)
+    rates["int8"] = 1.0
+    assert profile.encode_Bps["int8"] == 2e9
 
 
 def test_bad_rates_and_registries_are_refused_naming_them() -> None:
@@ -373,3 +501,24 @@ def test_the_step_benchmark_reads_a_plan_from_its_command_line(tmp_path: pathlib
         config("--train-plan", str(path))  # two ranks: no rank 2
     with pytest.raises(ValueError, match="--train-plan: cannot read"):
         config("--train-plan", str(tmp_path / "none.json"))
+
+
+def test_the_step_benchmark_counts_each_sharding_of_a_plan() -> None:
+    from types import SimpleNamespace
+
+    from qcomm.benchmark.options import BenchConfig
+    from qcomm.benchmark.report import _train_what
+    from qcomm.benchmark.results import DlrmModel, DlrmTrain
+    from qcomm.benchmark.train import sharding_counts
+
+    plan = {"t0": "column_wise:0,1", "t1": "table_wise:1", "t2": "row_wise", "t3": "column_wise:1"}
+    counts = sharding_counts(BenchConfig(train_tables=4, train_plan=plan))
+    assert counts == {"table_wise": 1, "row_wise": 1, "column_wise": 2}
+    model = DlrmModel(tables=4, rows=8, dim=4, batch_per_rank=2)
+    model.table_wise, model.row_wise = counts["table_wise"], counts["row_wise"]
+    model.column_wise = counts["column_wise"]
+    meta = SimpleNamespace(
+        local=True, world_size=2, backend="gloo", device="cpu", threads_per_rank=1, duration_s=1.0
+    )
+    lines = _train_what(SimpleNamespace(meta=meta, link=None), DlrmTrain(model=model))  # type: ignore[arg-type]
+    assert "(1 table-wise, 1 row-wise, 2 column-wise)" in lines[1]

@@ -70,3 +70,25 @@ def test_no_communication_at_world_size_one(
     opened = transports_opened
     assert opened[kind] >= 12 and len(opened) == 1, f"calls did not take {kind}: {opened}"
     assert calls == [], f"world size 1 communicated: {calls}"
+
+
+def test_what_a_call_asks_once_is_asked_again_where_it_changed(one_rank: None) -> None:
+    # A group's rank and size are kept after its first call: a group destroyed
+    # since is still refused, as torch refuses it.
+    x = torch.randn(4, 32)
+    group = dist.new_group([0])
+    assert qcomm.all_to_all_pooled(x, [4], [32], group=group).wait().equal(x)
+    dist.destroy_process_group(group)
+    with pytest.raises(ValueError, match="not registered"):
+        qcomm.all_to_all_pooled(x, [4], [32], group=group)
+    # A codec's contract check is kept after its first call: a codec changed
+    # in place to a wire the backend cannot carry is still refused.
+    codec = qcomm.load_codec("fp16")
+    codecs = qcomm.QuantizedCommCodecs(forward=codec, backward=codec)
+    qcomm.all_to_all_pooled(x, [4], [32], codecs=codecs).wait()
+    type(codec).quantized_dtype = property(lambda self: torch.int16)  # type: ignore[assignment]
+    try:
+        with pytest.raises(qcomm.CodecError, match="cannot carry"):
+            qcomm.all_to_all_pooled(x, [4], [32], codecs=codecs)
+    finally:
+        del type(codec).quantized_dtype
