@@ -32,6 +32,8 @@ _HOMES = {
     "ElementwiseCodec": "qcomm.codec_base",
     "DDPCommHookState": "qcomm.ddp",
     "ddp_comm_hook": "qcomm.ddp",
+    "FSDPCommState": "qcomm.fsdp",
+    "fsdp_quantize": "qcomm.fsdp",
     "CodecEntry": "qcomm.discovery",
     "available_codecs": "qcomm.discovery",
     "codec_entries": "qcomm.discovery",
@@ -74,6 +76,8 @@ if TYPE_CHECKING:
     from qcomm.discovery import codec_entries as codec_entries
     from qcomm.discovery import load_codec as load_codec
     from qcomm.errors import CodecError as CodecError
+    from qcomm.fsdp import FSDPCommState as FSDPCommState
+    from qcomm.fsdp import fsdp_quantize as fsdp_quantize
     from qcomm.ops import CommOp as CommOp
     from qcomm.planner import CodecPerfEstimator as CodecPerfEstimator
     from qcomm.planner import CommsProfile as CommsProfile

@@ -14,6 +14,9 @@ of its own. Events, by name (detail):
   on qcomm's exchange;
 - ``compiled_call`` (the operator, e.g. ``all_to_all_pooled_start``): an
   operator of a compiled graph ran (:mod:`qcomm.collectives._compiled`).
+- ``fsdp_call`` (``reduce_scatter``, ``all_gather`` or ``all_reduce``): a
+  module's collective of :func:`~qcomm.fsdp_quantize` finished on qcomm's
+  collectives.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ r"""
   protocol, the rounds, the rows' figures and the report.
 - :mod:`~qcomm.benchmark.train`: whole training steps of a sharded DLRM (``--train``).
 - :mod:`~qcomm.benchmark.train_mlp`: those of an MLP under DDP (``--train-model mlp``).
+- :mod:`~qcomm.benchmark.train_fsdp`: those of the MLP under FSDP2 (``--train-model fsdp``).
 - :mod:`~qcomm.benchmark.report`: the terminal tables and the JSON file.
 - :mod:`~qcomm.benchmark.plot`: the plot.
 """

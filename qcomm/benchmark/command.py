@@ -311,7 +311,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         choices=TRAIN_MODELS,
         help="with --train: dlrm (TorchRec's DLRM, sharded) or mlp (a plain MLP under "
         "DistributedDataParallel with no comm hook, PyTorch's fp16_compress_hook and qcomm's "
-        "int8 hook with error feedback, overlapped and synchronous). Default: dlrm",
+        "int8 hook with error feedback, overlapped and synchronous) or fsdp (the mlp under "
+        "FSDP2: float32, bf16 mixed precision and qcomm's int8 gradients with fp8 or int8 "
+        "weights). Default: dlrm",
     )
     for key, low, high, what in (
         ("tables", 2, 1024, "dlrm's embedding tables"),
@@ -526,6 +528,7 @@ def _check_memory(config: BenchConfig, local_ranks: int) -> None:
 _MODEL_OPTIONS = {
     "dlrm": ("tables", "dim", "sharding", "plan", "loop", "compile"),
     "mlp": ("layers", "width"),
+    "fsdp": ("layers", "width"),
 }
 
 
@@ -565,7 +568,7 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
     if args.quick and not args.rounds:
         # A smoke run of a few steps: three rounds, where the collectives take five.
         config.rounds = _QUICK_TRAIN_ROUNDS
-    if model == "mlp":
+    if model in ("mlp", "fsdp"):
         defaults = TRAIN_MLP_QUICK if args.quick else TRAIN_MLP_DEFAULTS
     else:
         defaults = TRAIN_QUICK if args.quick else TRAIN_DEFAULTS
@@ -578,25 +581,25 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
     }
     for other, options in _MODEL_OPTIONS.items():
         for key in options:
-            if other != model and given_all[key] is not None:
+            if other != model and key not in _MODEL_OPTIONS[model] and given_all[key] is not None:
                 raise ValueError(
                     f"--train-{key}: applies to --train-model {other} only, and this run "
                     f"trains {model}; leave it out or give --train-model {other}"
                 )
-    if model == "mlp":
+    if model in ("mlp", "fsdp"):
         # The MLP has neither TorchRec's codecs to leave out nor an advice to give.
         for option, value in (("--no-fbgemm", not args.fbgemm), ("--link-gbps", args.link_gbps)):
             if value not in (None, False):
                 raise ValueError(
                     f"{option}: applies to the collectives and the DLRM of --train, not to "
-                    f"--train-model mlp; leave it out"
+                    f"--train-model {model}; leave it out"
                 )
     config.train = True
     config.train_model = model
     # The model's sizes: given, else its defaults (the DLRM's after the check below).
-    for key in ("batch", "steps", *(("layers", "width") if model == "mlp" else ())):
+    for key in ("batch", "steps", *(_MODEL_OPTIONS[model] if model != "dlrm" else ())):
         setattr(config, f"train_{key}", given[key] or defaults[key])
-    if model != "mlp":
+    if model == "dlrm":
         missing = [m for m in ("torchrec", "fbgemm_gpu") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(
@@ -632,6 +635,10 @@ def _check_train_memory(config: BenchConfig, local_ranks: int) -> None:
         from qcomm.benchmark.train_mlp import Mlp
 
         estimate = Mlp().memory(config)
+    elif config.train_model == "fsdp":
+        from qcomm.benchmark.train_fsdp import Fsdp
+
+        estimate = Fsdp().memory(config)
     else:
         from qcomm.benchmark.train import Dlrm
 

@@ -38,6 +38,7 @@ from qcomm.benchmark.session import (
     Session,
 )
 from qcomm.benchmark.train import run_train
+from qcomm.benchmark.train_fsdp import run_train_fsdp
 from qcomm.benchmark.train_mlp import run_train_mlp
 from qcomm.config import child_env, launch_env
 
@@ -75,7 +76,9 @@ def _run_rank(config: BenchConfig, local: bool, rank: str) -> int:
         return EXIT_ERROR
     try:
         if config.train:
-            train = run_train_mlp if config.train_model == "mlp" else run_train
+            train = {"mlp": run_train_mlp, "fsdp": run_train_fsdp}.get(
+                config.train_model, run_train
+            )
             return train(config, session)
         if config.profile:
             return run_profile(config, session)

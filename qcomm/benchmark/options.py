@@ -74,7 +74,8 @@ TRAIN_COMPILE_BACKENDS = ("inductor", "aot_eager")
 #: the same with ``--quick``, a smoke run
 TRAIN_QUICK = {"tables": 2, "dim": 8, "batch": 32, "steps": 5}
 #: the models of ``--train-model``: TorchRec's DLRM, sharded, or a plain MLP under DDP
-TRAIN_MODELS = ("dlrm", "mlp")
+#: or under FSDP2 (``fsdp``: the MLP's sizes)
+TRAIN_MODELS = ("dlrm", "mlp", "fsdp")
 #: the MLP of ``--train-model mlp`` (hidden layers, their width, batch per rank,
 #: steps per series): a run of about a minute and a half on 2 CPU cores
 TRAIN_MLP_DEFAULTS = {"layers": 8, "width": 2048, "batch": 256, "steps": 12}
@@ -396,8 +397,9 @@ class BenchConfig:
             :mod:`~qcomm.benchmark.profile`).
         train (bool): run the training-step benchmark instead (``--train``,
             :mod:`~qcomm.benchmark.train`).
-        train_model (str): its model, ``dlrm`` or ``mlp``
-            (:mod:`~qcomm.benchmark.train_mlp`).
+        train_model (str): its model, ``dlrm``, ``mlp``
+            (:mod:`~qcomm.benchmark.train_mlp`) or ``fsdp``
+            (:mod:`~qcomm.benchmark.train_fsdp`).
         train_tables (int): the DLRM's tables.
         train_loop (str): the DLRM's training loop: ``pipeline`` (TorchRec's
             ``TrainPipelineSparseDist``) or ``plain``.

@@ -539,8 +539,11 @@ def _train_what(results: Results, train: DlrmTrain | MlpTrain) -> list[str]:
         f"in {len(model.steps_per_round)} interleaved rounds."
     )
     if isinstance(model, MlpModel):
+        under = (
+            "FSDP2 (fully_shard per Linear)" if model.name == "fsdp" else "DistributedDataParallel"
+        )
         what = (
-            f"MLP under DistributedDataParallel: {model.layers} hidden layers of "
+            f"MLP under {under}: {model.layers} hidden layers of "
             f"{model.width} (Linear+ReLU), {model.parameters:,} parameters "
             f"({model.gradient_bytes / 2**20:.3g} MiB of float32 gradients a step), batch "
             f"{model.batch_per_rank} per rank; {steps}"
@@ -568,8 +571,10 @@ def _train_what(results: Results, train: DlrmTrain | MlpTrain) -> list[str]:
     ]
 
 
-def _train_table(rows: list[DlrmRow] | list[MlpRow], mlp: bool) -> str:
+def _train_table(rows: list[DlrmRow] | list[MlpRow], mlp: bool, fsdp: bool = False) -> str:
     baseline, versus = ("default", "x fp16 hook") if mlp else ("fp32", "x TorchRec")
+    if fsdp:
+        baseline, versus = "float32", "x bf16"
     header = ["series", "step ms", "min-max ms", "spread", f"x {baseline}", versus]
     header += ["comm share", "loss", f"gap to {baseline}", "graph breaks"]
     compiled = any(isinstance(r, DlrmRow) and r.compile for r in rows)
@@ -601,6 +606,14 @@ def _train_table(rows: list[DlrmRow] | list[MlpRow], mlp: bool) -> str:
 
 
 def _train_legend(train: DlrmTrain | MlpTrain) -> list[str]:
+    if isinstance(train, MlpTrain) and train.model.name == "fsdp":
+        return [
+            "step: the median round of the slowest rank's time per step (forward, backward, "
+            "SGD); 'x float32': FSDP float32's step over the series'; 'x bf16': FSDP bf16 mixed "
+            "precision's over the series'; 'comm share': 1 - (one rank alone, no collective) / "
+            "step; loss: the last step's MSE, mean over ranks, every series from the same "
+            "weights on the same batches."
+        ]
     if isinstance(train, MlpTrain):
         return [
             "step: the median round of the slowest rank's time per step (forward, backward, "
@@ -662,7 +675,8 @@ def format_train_report(results: Results | Mapping[str, Any]) -> str:
         raise ValueError("format_train_report: expected the results of a --train run")
     rows = train_rows(results)
     lines = _train_what(results, train)
-    lines += [_train_table(rows, isinstance(train, MlpTrain)), ""]
+    fsdp = isinstance(train, MlpTrain) and train.model.name == "fsdp"
+    lines += [_train_table(rows, isinstance(train, MlpTrain), fsdp), ""]
     lines += _train_legend(train)
     lines += _load_line(results.meta)
     wide = [r.label for r in rows if r.status == "ok" and (r.spread or 0.0) > SPREAD_WARNING]

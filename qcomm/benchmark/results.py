@@ -497,7 +497,7 @@ class Results:
         if train is not None and not isinstance(train, (DlrmTrain, MlpTrain)):
             model = train.get("model")
             mlp = isinstance(model, MlpModel) or (
-                isinstance(model, Mapping) and model.get("name") == "mlp"
+                isinstance(model, Mapping) and model.get("name") in ("mlp", "fsdp")
             )
             train = read_record(MlpTrain if mlp else DlrmTrain, train)
         link, meta = data.get("link"), data.get("meta")

@@ -1,0 +1,74 @@
+"""``qcomm.fsdp_quantize`` refuses what it cannot serve, naming the argument:
+a model without FSDP modules, wrong types, weights by host without a
+replica group, a stochastic weight codec, a state of another model."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import qcomm
+from qcomm import CodecError
+
+
+@pytest.fixture
+def world_one() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded() -> Any:
+    return fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"model": torch.nn.Linear(2, 2)}, ValueError, "model: expected fully_shard"),
+        ({"model": "a model"}, TypeError, "model: expected a torch.nn.Module"),
+        ({"gradients": "no_such_codec"}, CodecError, "gradients"),
+        ({"weights": 3}, (TypeError, CodecError), "weights"),
+        ({"error_feedback": 1}, TypeError, "error_feedback: expected a bool"),
+        ({"replica_group": "group"}, TypeError, "replica_group: expected"),
+        ({"chunk_bytes": 0}, ValueError, "chunk_bytes"),
+        ({"weights": "same_host=noop+other_host=int8"}, ValueError, "weights: codecs by host"),
+        (
+            {"gradients": "same_host=noop+other_host=int8", "error_feedback": True},
+            ValueError,
+            "error_feedback: with gradients by host",
+        ),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(
+    world_one: None, kwargs: dict[str, Any], error: Any, match: str
+) -> None:
+    model = kwargs.pop("model", None) or _sharded()
+    with pytest.raises(error, match=match):
+        qcomm.fsdp_quantize(model, **kwargs)
+
+
+def test_a_stochastic_weight_codec_is_refused(world_one: None) -> None:
+    codec: Any = qcomm.load_codec("int8")
+    codec.info = dataclasses.replace(qcomm.codec_info(codec), stochastic=True)
+    with pytest.raises(ValueError, match="weights: codec 'int8' is stochastic"):
+        qcomm.fsdp_quantize(_sharded(), weights=codec)
+    qcomm.fsdp_quantize(_sharded(), gradients=codec)  # a gradient may be
+
+
+def test_a_state_of_other_modules_is_refused(world_one: None) -> None:
+    state = qcomm.fsdp_quantize(_sharded(), gradients="int8", error_feedback=True)
+    assert state.modules == [""]
+    with pytest.raises(ValueError, match="state_dict: expected an FSDPCommState"):
+        state.load_state_dict({"residuals": {}})
+    with pytest.raises(ValueError, match="module 'layers.0' is not one of this state's"):
+        state.load_state_dict({"version": 1, "residuals": {"layers.0": {}}})
+    state.load_state_dict(state.state_dict())
