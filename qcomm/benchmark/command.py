@@ -582,8 +582,9 @@ def _train_config(args: argparse.Namespace, config: BenchConfig) -> None:
     for other, options in _MODEL_OPTIONS.items():
         for key in options:
             if other != model and key not in _MODEL_OPTIONS[model] and given_all[key] is not None:
+                takers = " or ".join(m for m, keys in _MODEL_OPTIONS.items() if key in keys)
                 raise ValueError(
-                    f"--train-{key}: applies to --train-model {other} only, and this run "
+                    f"--train-{key}: applies to --train-model {takers} only, and this run "
                     f"trains {model}; leave it out or give --train-model {other}"
                 )
     if model in ("mlp", "fsdp"):

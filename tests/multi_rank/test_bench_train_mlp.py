@@ -169,7 +169,9 @@ def test_mlp_options(monkeypatch):
         with pytest.raises(ValueError, match=f"^{option}: applies to --train-model dlrm only"):
             _config("--train", "--train-model", "mlp", option, value)
     for option in ("--train-layers", "--train-width"):
-        with pytest.raises(ValueError, match=f"^{option}: applies to --train-model mlp only"):
+        with pytest.raises(
+            ValueError, match=f"^{option}: applies to --train-model mlp or fsdp only"
+        ):
             _config("--train", option, "4")
         with pytest.raises(ValueError, match=f"^{option}: applies to --train only"):
             _config(option, "4")
