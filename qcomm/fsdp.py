@@ -20,6 +20,7 @@ from qcomm import _events
 from qcomm.collectives import all_gather_pooled, reduce_scatter_pooled
 from qcomm.collectives._args import check_chunk_bytes
 from qcomm.collectives._coding import is_identity
+from qcomm.collectives._describe import fingerprint
 from qcomm.collectives._feedback import Residuals
 from qcomm.collectives._wire import (
     checked_decode,
@@ -30,6 +31,7 @@ from qcomm.collectives._wire import (
     wire_dtype,
 )
 from qcomm.collectives.all_reduce import all_reduce
+from qcomm.errors import CodecError
 from qcomm.registry import load_pair
 from qcomm.types import HostCodecs, QuantizedCommCodecs, codec_info
 
@@ -68,6 +70,9 @@ def _lost(codec: Any, x: torch.Tensor, residual: torch.Tensor, rank: int, world:
             kept.zero_()  # not encoded, nothing lost
         else:
             torch.sub(block, _roundtrip(codec, block, b, [n] * world), out=kept)
+    # An inf or NaN in a gradient would otherwise stay in the residual and
+    # poison every later step; the step that had it is lost either way.
+    residual.nan_to_num_(0.0, 0.0, 0.0)
 
 
 def _scale(op: Any, world: int) -> tuple[str, float]:
@@ -144,6 +149,8 @@ class _QuantizedReduceScatter(_Allocating, ReduceScatter):
                 self.state.resets += 1
             if kept.scatter is None:
                 kept.scatter = torch.zeros(x.numel(), device=x.device)
+            elif kept.scatter.device != x.device:
+                kept.scatter = kept.scatter.to(x.device)  # restored on another device
             residual = kept.scatter
             x = x.float() + residual
         pending = reduce_scatter_pooled(
@@ -249,6 +256,14 @@ class _ModuleResiduals:
     replicas: Residuals | None = None
 
 
+def _residual(value: Any, name: str) -> torch.Tensor:
+    """A copy of a saved residual, flat; refused by ``name`` unless a float32 tensor."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{name}: expected a float32 tensor, got {got}")
+    return value.detach().clone().view(-1)
+
+
 class FSDPCommState:
     r"""
     What :func:`fsdp_quantize` installed on a model: its codecs and options
@@ -261,6 +276,7 @@ class FSDPCommState:
         weights (QuantizedCommCodecs): the all-gather's codecs, or ``None``.
         error_feedback (bool): whether the gradients' codec losses are carried over.
         replica_group (ProcessGroup): HSDP's replica group, or ``None``.
+        chunk_bytes (int): the collectives' chunk size, or ``None`` (automatic).
         modules (list[str]): the names of the ``FSDPModule`` s it serves.
         resets (int): restored residuals dropped as they did not fit.
     """
@@ -319,47 +335,71 @@ class FSDPCommState:
         load_state_dict(state_dict: Mapping[str, Any]) -> None
 
         Restores what :meth:`state_dict` saved, so that training resumes bit
-        for bit.
+        for bit: every module it names takes the saved residuals (an entry
+        saved as ``None`` clears this state's); modules it does not name keep
+        theirs. A ``scatter`` residual whose length does not fit the
+        module's gradients (another model or world size) is dropped on the
+        next step and counted in ``resets``.
 
         Args:
             state_dict (Mapping[str, Any]): from :meth:`state_dict` of a state
-                over the same modules.
+                over the same modules, with the same ``error_feedback``.
 
         Raises:
-            ValueError: if ``state_dict`` is not one, or names a module this
-                state does not serve, or its residuals do not fit.
+            ValueError: if ``state_dict`` is not one, its ``error_feedback``
+                differs from this state's, it names a module this state does
+                not serve, or a residual is not a float32 tensor.
         """
         if not isinstance(state_dict, Mapping) or state_dict.get("version") != _VERSION:
+            got = state_dict.get("version") if isinstance(state_dict, Mapping) else None
             raise ValueError(
-                f"state_dict: expected an FSDPCommState.state_dict() of version {_VERSION}"
+                f"state_dict: expected an FSDPCommState.state_dict() of version {_VERSION}, "
+                f"got {type(state_dict).__name__} of version {got!r}"
+            )
+        if state_dict.get("error_feedback") != self.error_feedback:
+            raise ValueError(
+                f"state_dict['error_feedback']: expected {self.error_feedback} (this state's), "
+                f"got {state_dict.get('error_feedback')!r}"
             )
         saved = state_dict.get("residuals")
         if not isinstance(saved, Mapping):
-            raise ValueError("state_dict['residuals']: expected a mapping of module name to entry")
+            raise ValueError(
+                f"state_dict['residuals']: expected a mapping of module name to entry, "
+                f"got {type(saved).__name__}"
+            )
         for name, entry in saved.items():
             if name not in self._residuals:
                 raise ValueError(
                     f"state_dict['residuals']: module {name!r} is not one of this state's "
                     f"({', '.join(map(repr, self.modules))})"
                 )
+            where = f"state_dict['residuals'][{name!r}]"
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"{where}: expected a mapping, got {type(entry).__name__}")
             mine = self._residuals[name]
-            scatter = entry.get("scatter") if isinstance(entry, Mapping) else None
-            replicas = entry.get("replicas") if isinstance(entry, Mapping) else None
-            if scatter is not None:
-                if not isinstance(scatter, torch.Tensor) or scatter.dtype != torch.float32:
-                    raise ValueError(
-                        f"state_dict['residuals'][{name!r}]['scatter']: expected a float32 tensor"
-                    )
-                # Its length is checked against the gradients' on the next step.
-                mine.scatter = scatter.detach().clone().view(-1)
-            if replicas is not None:
-                if mine.replicas is None:
-                    raise ValueError(
-                        f"state_dict['residuals'][{name!r}]['replicas']: this state reduces "
-                        f"no replicas with error feedback"
-                    )
-                mine.replicas.scatter = replicas["scatter"].detach().clone()
-                mine.replicas.gather = replicas["gather"].detach().clone()
+            scatter = entry.get("scatter")
+            # Its length is checked against the gradients' on the next step.
+            mine.scatter = None if scatter is None else _residual(scatter, f"{where}['scatter']")
+            replicas = entry.get("replicas")
+            if replicas is None:
+                if mine.replicas is not None:
+                    mine.replicas.scatter = mine.replicas.gather = None
+                continue
+            if mine.replicas is None:
+                raise ValueError(
+                    f"{where}['replicas']: this state reduces no replicas with error feedback"
+                )
+            if not isinstance(replicas, Mapping):
+                raise ValueError(
+                    f"{where}['replicas']: expected a mapping of 'scatter' and 'gather', "
+                    f"got {type(replicas).__name__}"
+                )
+            mine.replicas.scatter = _residual(
+                replicas.get("scatter"), f"{where}['replicas']['scatter']"
+            )
+            mine.replicas.gather = _residual(
+                replicas.get("gather"), f"{where}['replicas']['gather']"
+            )
 
     def __repr__(self) -> str:
         return (
@@ -383,8 +423,34 @@ def _split(
             )
         return value, None
     same = value.same_host
-    identity = all(is_identity(c, torch.float32) for c in (same.forward, same.backward))
+    # An all-gather of weights encodes with its forward codec only.
+    used = (same.forward,) if name == "weights" else (same.forward, same.backward)
+    identity = all(is_identity(c, torch.float32) for c in used)
     return (None if identity else same), value.other_host
+
+
+def _codecs_text(value: QuantizedCommCodecs | None) -> str:
+    """What ``value`` does, as ranks compare it: its codecs' fingerprints and names."""
+    if value is None:
+        return "None"
+    if isinstance(value, HostCodecs):
+        same, other = _codecs_text(value.same_host), _codecs_text(value.other_host)
+        return f"same_host={same} other_host={other} ranks_per_host={value.ranks_per_host}"
+    (f, fname), (b, bname) = fingerprint(value.forward), fingerprint(value.backward)
+    return f"({fname} #{f:016x}, {bname} #{b:016x})"
+
+
+def _agree(group: dist.ProcessGroup, what: dict[str, Any], where: str) -> None:
+    """Raises :class:`CodecError` on every rank of ``group`` unless all give the same ``what``."""
+    # Ranks that differ here would run different collectives (FSDP's own
+    # on one, qcomm's exchange on another) and wait for each other forever.
+    every: list[Any] = [None] * group.size()
+    dist.all_gather_object(every, what, group=group)
+    for key in what:
+        values = [w[key] for w in every]
+        if any(v != values[0] for v in values):
+            told = "; ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise CodecError(f"{key}: the ranks of the {where} give different values ({told})")
 
 
 def fsdp_quantize(
@@ -481,6 +547,17 @@ def fsdp_quantize(
         replicas = None
     elif replicas is None:
         replicas = QuantizedCommCodecs()  # the replicas still need averaging
+    if error_feedback and grads is not None and not isinstance(grads, HostCodecs):
+        info = codec_info(grads.forward)
+        if info.stateful or info.stochastic:
+            # The residual is what a second, local encoding of each block
+            # loses, not what the wire lost: the same only for a codec that
+            # encodes a block alike every time.
+            raise ValueError(
+                f"error_feedback: gradient codec {info.name!r} is "
+                f"{'stateful' if info.stateful else 'stochastic'}: error feedback needs one "
+                f"that encodes a block alike every time"
+            )
     if error_feedback and isinstance(grads, HostCodecs):
         raise ValueError(
             "error_feedback: with gradients by host, give replica_group (HSDP): error feedback "
@@ -489,6 +566,23 @@ def fsdp_quantize(
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not found:
         raise ValueError("model: expected fully_shard applied to it or its submodules, found none")
+    what = {
+        "gradients": _codecs_text(grads),
+        "weights": _codecs_text(gather),
+        "error_feedback": error_feedback,
+        "replica_group": None if replica_group is None else replica_group.size(),
+        "replicas": _codecs_text(replicas),
+        "model": [name for name, _ in found],
+    }
+    agreed: set[int] = set()
+    for _, module in found:
+        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+            shard = param_group._all_gather_process_group  # FSDP's shard group
+            if id(shard) not in agreed:
+                agreed.add(id(shard))
+                _agree(shard, what, "shard group")
+    if replica_group is not None:
+        _agree(replica_group, what, "replica_group")
     state = FSDPCommState(grads, gather, error_feedback, replica_group, replicas, chunk)
     for name, module in found:
         groups = module._get_fsdp_state()._fsdp_param_groups

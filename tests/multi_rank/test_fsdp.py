@@ -268,15 +268,47 @@ def _failures(rank: int, world: int) -> dict[str, Any]:
 
     out["codec_fails"] = _raises(fail)
     model = _model(_mesh(fresh=True))
-    qcomm.fsdp_quantize(model, weights="int8" if rank == 0 else "fp8_e4m3")
-    out["disagree"] = _raises(lambda: model(_batch(rank, 0)[0]))
+    out["disagree"] = _raises(
+        lambda: qcomm.fsdp_quantize(model, weights="int8" if rank == 0 else "fp8_e4m3")
+    )
+    model = _model(_mesh(fresh=True))
+    out["codec_or_none"] = _raises(
+        lambda: qcomm.fsdp_quantize(model, gradients=None if rank == 0 else "int8")
+    )
     return out
+
+
+def _inf_step(rank: int) -> dict[str, Any]:
+    """An inf in one step's gradients (a step skipped, as a grad scaler does)
+    leaves no NaN in the residuals: later steps train on finite values."""
+    model = _model(_mesh(fresh=False))
+    state = qcomm.fsdp_quantize(model, gradients="int8", error_feedback=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = _batch(rank, 0)
+    out_ = model(x)
+    out_.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+    torch.nn.functional.mse_loss(out_, y).backward()
+    opt.zero_grad()  # the step is skipped
+    poisoned = [r.scatter for r in state._residuals.values() if r.scatter is not None]
+    with counting("fsdp_call") as calls:
+        loss = _train(model, opt, rank, range(1, 3))
+    return {
+        "inf_step_calls": dict(calls),
+        "inf_step_residuals": len(poisoned),
+        "inf_step_loss": loss,
+        "inf_step_finite": all(p.to_local().isfinite().all().item() for p in model.parameters())
+        and all(
+            r.scatter.isfinite().all().item()
+            for r in state._residuals.values()
+            if r.scatter is not None
+        ),
+    }
 
 
 def _run(rank: int, world: int) -> dict[str, Any]:
     torch.use_deterministic_algorithms(True)
     out: dict[str, Any] = {}
-    for part in (_plain, _quantized, _checkpoint):
+    for part in (_plain, _quantized, _checkpoint, _inf_step):
         out.update(part(rank))
     out.update(_ops(rank, world))
     out.update(_failures(rank, world))
@@ -371,7 +403,27 @@ def test_one_ranks_codec_failure_raises_on_every_rank(world: int, transport: str
 @pytest.mark.parametrize(("world", "transport"), CASES, ids=ids)
 def test_ranks_that_disagree_on_codecs_raise(world: int, transport: str) -> None:
     for r in _results(world, transport):
-        assert r["disagree"].startswith("CodecError"), r["disagree"]
+        assert r["disagree"].startswith("CodecError: weights:"), r["disagree"]
+
+
+@pytest.mark.parametrize(("world", "transport"), CASES, ids=ids)
+def test_a_codec_on_one_rank_and_none_on_another_raise_on_every_rank(
+    world: int, transport: str
+) -> None:
+    for r in _results(world, transport):
+        assert r["codec_or_none"].startswith("CodecError: gradients:"), r["codec_or_none"]
+        assert "rank 0: 'None'" in r["codec_or_none"], r["codec_or_none"]
+
+
+@pytest.mark.parametrize(("world", "transport"), CASES, ids=ids)
+def test_an_inf_in_one_steps_gradients_leaves_later_steps_finite(
+    world: int, transport: str
+) -> None:
+    for r in _results(world, transport):
+        assert r["inf_step_residuals"] == 3
+        assert r["inf_step_calls"] == {"reduce_scatter": 3 * 2}
+        assert r["inf_step_finite"], r
+        assert r["inf_step_loss"] == r["inf_step_loss"]  # not NaN
 
 
 def _hsdp(rank: int, world: int) -> dict[str, Any]:

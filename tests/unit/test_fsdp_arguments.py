@@ -70,5 +70,42 @@ def test_a_state_of_other_modules_is_refused(world_one: None) -> None:
     with pytest.raises(ValueError, match="state_dict: expected an FSDPCommState"):
         state.load_state_dict({"residuals": {}})
     with pytest.raises(ValueError, match="module 'layers.0' is not one of this state's"):
-        state.load_state_dict({"version": 1, "residuals": {"layers.0": {}}})
+        state.load_state_dict({"version": 1, "error_feedback": True, "residuals": {"layers.0": {}}})
     state.load_state_dict(state.state_dict())
+
+
+@pytest.mark.parametrize("flag", ["stochastic", "stateful"])
+def test_error_feedback_refuses_a_gradient_codec_that_encodes_a_block_differently(
+    world_one: None, flag: str
+) -> None:
+    codec: Any = qcomm.load_codec("int8")
+    flags: dict[str, Any] = {flag: True}
+    codec.info = dataclasses.replace(qcomm.codec_info(codec), **flags)
+    with pytest.raises(ValueError, match=f"error_feedback: gradient codec 'int8' is {flag}"):
+        qcomm.fsdp_quantize(_sharded(), gradients=codec, error_feedback=True)
+    qcomm.fsdp_quantize(_sharded(), gradients=codec)  # without error feedback it may
+
+
+def test_a_saved_state_with_other_error_feedback_is_refused(world_one: None) -> None:
+    saved = qcomm.fsdp_quantize(_sharded(), gradients="int8").state_dict()
+    state = qcomm.fsdp_quantize(_sharded(), gradients="int8", error_feedback=True)
+    with pytest.raises(
+        ValueError, match=r"state_dict\['error_feedback'\]: expected True.*got False"
+    ):
+        state.load_state_dict(saved)
+
+
+def test_restored_residuals_are_checked_and_none_clears_them(world_one: None) -> None:
+    state = qcomm.fsdp_quantize(_sharded(), gradients="int8", error_feedback=True)
+    state._residuals[""].scatter = torch.ones(3)
+    saved = {"version": 1, "error_feedback": True, "residuals": {"": {"scatter": None}}}
+    state.load_state_dict(saved)
+    assert state._residuals[""].scatter is None
+    saved["residuals"] = {"": {"scatter": torch.zeros(3, dtype=torch.float64)}}
+    with pytest.raises(
+        ValueError, match=r"\['scatter'\]: expected a float32 tensor, got torch.float64"
+    ):
+        state.load_state_dict(saved)
+    saved["residuals"] = {"": {"replicas": {"scatter": torch.zeros(2), "gather": 1}}}
+    with pytest.raises(ValueError, match=r"\['replicas'\]: this state reduces no replicas"):
+        state.load_state_dict(saved)
