@@ -225,10 +225,16 @@ class _QuantizedAllGather(_Allocating, AllGather):
         return None
 
 
-def _replica_hook(state: FSDPCommState, name: str) -> Callable[[torch.Tensor], None]:
+def _replica_hook(
+    state: FSDPCommState, name: str, param_group: Any
+) -> Callable[[torch.Tensor], None]:
     """The hook that averages a module's reduced gradient shard over the replica group."""
 
     def hook(reduce_output: torch.Tensor) -> None:
+        # With a divide factor FSDP's reduce-scatter has divided by it the
+        # sum over the shard group: the replicas are then summed, as FSDP's
+        # own HSDP does; else averaged, after the shard group's average.
+        average = param_group.gradient_divide_factor is None
         assert state.replica_group is not None and state._replicas is not None
         residuals = state._residuals[name].replicas if state.error_feedback else None
         x = reduce_output if reduce_output.is_contiguous() else reduce_output.contiguous()
@@ -237,7 +243,7 @@ def _replica_hook(state: FSDPCommState, name: str) -> Callable[[torch.Tensor], N
             group=state.replica_group,
             reduce_codec=state._replicas.forward,
             gather_codec=state._replicas.backward,
-            average=True,
+            average=average,
             residuals=residuals,
             chunk_bytes=state.chunk_bytes,
         )
@@ -429,6 +435,29 @@ def _split(
     return (None if identity else same), value.other_host
 
 
+def _check_replicas(found: list[tuple[str, Any]], replica_group: dist.ProcessGroup) -> None:
+    """Refuses a ``replica_group`` that does not complete FSDP's shard groups to the world."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    replicas = set(dist.get_process_group_ranks(replica_group))
+    for name, module in found:
+        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+            if param_group._is_hsdp:
+                raise ValueError(
+                    f"replica_group: module {name!r} is sharded with FSDP's own HSDP (a 2-D "
+                    f"mesh), which reduces the replicas itself; give fully_shard the shard "
+                    f"group's mesh only"
+                )
+            shard = param_group._all_gather_process_group
+            ranks = set(dist.get_process_group_ranks(shard))
+            if ranks & replicas != {me} or len(ranks) * len(replicas) != world:
+                raise ValueError(
+                    f"replica_group: expected the ranks that hold this rank's shard elsewhere "
+                    f"(one per shard group, {world} // {len(ranks)} of them, sharing only this "
+                    f"rank {me} with module {name!r}'s shard group {sorted(ranks)}), "
+                    f"got ranks {sorted(replicas)}"
+                )
+
+
 def _codecs_text(value: QuantizedCommCodecs | None) -> str:
     """What ``value`` does, as ranks compare it: its codecs' fingerprints and names."""
     if value is None:
@@ -566,6 +595,8 @@ def fsdp_quantize(
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not found:
         raise ValueError("model: expected fully_shard applied to it or its submodules, found none")
+    if replica_group is not None:
+        _check_replicas(found, replica_group)
     what = {
         "gradients": _codecs_text(grads),
         "weights": _codecs_text(gather),
@@ -602,5 +633,5 @@ def fsdp_quantize(
         if hsdp:
             if error_feedback:
                 residuals.replicas = Residuals()
-            module.set_all_reduce_hook(_replica_hook(state, name))
+            module.set_all_reduce_hook(_replica_hook(state, name, groups[0]))
     return state

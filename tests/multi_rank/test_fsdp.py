@@ -451,11 +451,45 @@ def _hsdp(rank: int, world: int) -> dict[str, Any]:
     out["saved"] = sorted(
         k for k, v in state.state_dict()["residuals"].items() if v["replicas"] is not None
     )
+    # FSDP's own HSDP, and a replica group that is not one, are refused.
+    replicate = mesh["replicate"].get_group()
+    out["native_hsdp"] = _raises(lambda: qcomm.fsdp_quantize(_model(mesh), replica_group=replicate))
+    out["not_replicas"] = _raises(
+        lambda: qcomm.fsdp_quantize(_model(mesh["shard"]), replica_group=mesh["shard"].get_group())
+    )
+    # A divide factor of the world size: the replicas summed, the gradients
+    # after one backward those of plain FSDP's average over the 4 ranks.
+    x, y = _batch(rank, 0)
+
+    def full_grads(model: Any) -> list[torch.Tensor]:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    reference = full_grads(_model(_mesh(fresh=False)))
+    model = _model(mesh["shard"])
+    for m in model.modules():
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(4.0)
+    qcomm.fsdp_quantize(model, gradients="fp16", replica_group=replicate)
+    with counting("fsdp_call") as calls:
+        got = full_grads(model)
+    out["factor_calls"] = dict(calls)
+    out["factor_scale"] = max(a.abs().max().item() for a in reference)
+    out["factor_error"] = max((a - b).abs().max().item() for a, b in zip(reference, got))
     return out
 
 
+def _hsdp_results() -> list[dict[str, Any]]:
+    if "hsdp" not in _HSDP:
+        _HSDP["hsdp"] = run_ranks(_hsdp, 4, timeout=180)
+    return _HSDP["hsdp"]
+
+
+_HSDP: dict[str, list[dict[str, Any]]] = {}
+
+
 def test_hsdp_by_host_compresses_between_hosts_only() -> None:
-    results = run_ranks(_hsdp, 4, timeout=180)
+    results = _hsdp_results()
     rho = qcomm.codec_info(qcomm.load_codec("int8")).rel_error_bound
     for rank, r in enumerate(results):
         # The shard group's reduce-scatter is FSDP's own (no codec inside a
@@ -466,3 +500,16 @@ def test_hsdp_by_host_compresses_between_hosts_only() -> None:
         # The replicas of a shard (ranks 0 and 2, 1 and 3) stay identical.
         other = results[(rank + 2) % 4]["shards"]
         assert all(_same(a, b) for a, b in zip(r["shards"], other, strict=True))
+
+
+def test_hsdp_refuses_a_replica_group_that_does_not_fit_fsdps_mesh() -> None:
+    for r in _hsdp_results():
+        assert r["native_hsdp"].startswith("ValueError: replica_group: module '0' is sharded"), r
+        assert r["not_replicas"].startswith("ValueError: replica_group: expected"), r
+
+
+def test_hsdp_with_a_divide_factor_sums_the_replicas() -> None:
+    for r in _hsdp_results():
+        assert r["factor_calls"] == {"reduce_scatter": 3, "all_reduce": 3}, r["factor_calls"]
+        # fp16 in the shard group and between the replicas: 2**-11 each, of 4 terms.
+        assert r["factor_error"] <= 8 * 2**-11 * r["factor_scale"], r["factor_error"]
