@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from qcomm import _events
-from qcomm.collectives import all_gather_pooled, reduce_scatter_pooled
+from qcomm.collectives import _streams, all_gather_pooled, reduce_scatter_pooled
 from qcomm.collectives._args import check_chunk_bytes
 from qcomm.collectives._coding import is_identity
 from qcomm.collectives._describe import fingerprint
@@ -188,6 +188,15 @@ class _QuantizedAllGather(_Allocating, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
+        if not input_tensor.is_floating_point():
+            # FSDP gathers bytes (uint8) for a group of mixed dtypes or with
+            # fsdp_pre_all_gather extensions: not values a codec can carry.
+            # Every rank of the group has the same kind of input.
+            _events.emit("fsdp_call", "all_gather_fsdp")
+            work: dist.Work | None = dist.all_gather_single(
+                output_tensor, input_tensor, group=group, async_op=async_op
+            )
+            return work
         world, rank = group.size(), group.rank()
         n = input_tensor.numel()
         pending = all_gather_pooled(
@@ -204,9 +213,15 @@ class _QuantizedAllGather(_Allocating, AllGather):
             except BaseException:
                 pending.wait()  # the call's own error, on every rank, comes first
                 raise
+        # ``own`` is made on the issuing stream (FSDP's all-gather stream on
+        # CUDA) and may be read on the waiting one: ordered and kept there.
+        mark = _streams.issued(input_tensor.device)
 
         def finish() -> None:
             out = pending.wait()
+            if own is not None:
+                _streams.join(mark)
+                _streams.keep(mark, own)
             lo, hi = rank * n, (rank + 1) * n
             if own is None:
                 output_tensor.copy_(out)
@@ -500,27 +515,32 @@ def fsdp_quantize(
     forward pass (see :doc:`fsdp`).
 
     Gradients are encoded, exchanged, decoded and summed in float32, then
-    FSDP's op is applied (``AVG``, ``SUM``, ``PREMUL_SUM``). Weights are
-    encoded once per shard, and every rank, the shard's owner included, builds
-    the parameter from the same decoded values: replicas stay identical to the
-    bit. With ``replica_group`` (HSDP by host: ``fully_shard`` on the shard
-    group inside a host), the replicas' gradients are averaged over it with
-    :func:`~qcomm.all_reduce`. Agreement checks, in-band statuses and failure
-    on every rank are those of the collectives (:mod:`qcomm.collectives`).
+    FSDP's op is applied (``AVG``, ``SUM``, ``PREMUL_SUM``). Each weight
+    shard is sent once, and every rank, the shard's owner included (it
+    encodes and decodes its own shard locally), builds the parameter from
+    the same decoded values: replicas stay identical to the bit. With
+    ``replica_group`` (HSDP by host: ``fully_shard`` on the shard group
+    inside a host), the replicas' gradients are averaged over it with
+    :func:`~qcomm.all_reduce` (summed under a gradient divide factor). The
+    ranks first agree on the arguments over each shard group and the replica
+    group; in-band statuses and failure on every rank are then those of the
+    collectives (:mod:`qcomm.collectives`).
 
     Args:
         model (torch.nn.Module): the model, with ``fully_shard`` applied.
-        gradients (str | QuantizedCommCodec | HostCodecs, optional): the
-            reduce-scatter's codec (its forward codec), as a spec (``"int8"``),
-            codec object or codecs by host (``"same_host=noop+other_host=int8"``:
+        gradients (str | QuantizedCommCodec | QuantizedCommCodecs | HostCodecs, optional):
+            the reduce-scatter's codec (a pair's forward codec), as a spec
+            (``"int8"``), codec object, ``QuantizedCommCodecs`` pair or codecs
+            by host (``"same_host=noop+other_host=int8"``:
             with ``replica_group``, the same-host pair inside the shard group
             and the other-host pair between replicas). Default: ``None``
             (FSDP's own reduce-scatter).
-        weights (str | QuantizedCommCodec | HostCodecs, optional): the
-            all-gather's codec (its forward codec); codecs by host only with
+        weights (str | QuantizedCommCodec | QuantizedCommCodecs | HostCodecs, optional):
+            the all-gather's codec (a pair's forward codec); codecs by host only with
             ``replica_group``. Default: ``None`` (FSDP's own all-gather).
         error_feedback (bool, optional): carry what the gradients' codecs lose
-            into the next step, per module. Default: ``False``.
+            into the next step, per module (a float32 residual as long as its
+            unsharded gradients, on every rank). Default: ``False``.
         replica_group (ProcessGroup, optional): the replicas of HSDP (one rank
             per host), whose gradients qcomm averages; ``fully_shard`` must
             then shard over the shard group only. Default: ``None``.
@@ -531,12 +551,14 @@ def fsdp_quantize(
         FSDPCommState: the codecs and the residuals, to save with the model.
 
     Raises:
-        CodecError: if a spec names no installed codec or breaks the contract.
+        CodecError: if a spec names no installed codec or breaks the contract,
+            or the ranks give different arguments (on every rank).
         TypeError: if an argument has the wrong type.
         ValueError: if ``model`` holds no ``FSDPModule``, a module has more
             than one parameter group, a weight codec is stateful or
-            stochastic (replicas would differ), or weights are given by host
-            without ``replica_group``.
+            stochastic (replicas would differ), a gradient codec is with
+            ``error_feedback``, weights are given by host without
+            ``replica_group``, or ``replica_group`` does not fit FSDP's mesh.
 
     Examples::
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from counting import counting
 from torch.distributed.fsdp import fully_shard
 
 import qcomm
@@ -109,3 +110,16 @@ def test_restored_residuals_are_checked_and_none_clears_them(world_one: None) ->
     saved["residuals"] = {"": {"replicas": {"scatter": torch.zeros(2), "gather": 1}}}
     with pytest.raises(ValueError, match=r"\['replicas'\]: this state reduces no replicas"):
         state.load_state_dict(saved)
+
+
+def test_an_all_gather_of_bytes_is_fsdps_own(world_one: None) -> None:
+    # FSDP gathers uint8 for groups of mixed dtypes: no codec applies to bytes.
+    model = _sharded()
+    qcomm.fsdp_quantize(model, weights="int8")
+    comm = model._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
+    data = torch.arange(250, 256, dtype=torch.uint8)
+    out = torch.empty_like(data)
+    with counting("fsdp_call") as calls:
+        comm(output_tensor=out, input_tensor=data, group=dist.group.WORLD)
+    assert dict(calls) == {"all_gather_fsdp": 1}
+    assert torch.equal(out, data)
