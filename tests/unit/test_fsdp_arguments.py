@@ -123,3 +123,19 @@ def test_an_all_gather_of_bytes_is_fsdps_own(world_one: None) -> None:
         comm(output_tensor=out, input_tensor=data, group=dist.group.WORLD)
     assert dict(calls) == {"all_gather_fsdp": 1}
     assert torch.equal(out, data)
+
+
+def test_weights_by_host_with_an_identity_forward_inside_a_host_are_fsdps_own(
+    world_one: None,
+) -> None:
+    # An all-gather encodes with the forward codec only: a same-host pair
+    # whose forward is no-op leaves the shard group's all-gather to FSDP.
+    replicas = dist.new_group([0])
+    state = qcomm.fsdp_quantize(
+        _sharded(), weights="same_host=noop/int8+other_host=int8", replica_group=replicas
+    )
+    assert state.weights is None
+    state = qcomm.fsdp_quantize(
+        _sharded(), weights="same_host=int8/noop+other_host=int8", replica_group=replicas
+    )
+    assert state.weights is not None
