@@ -21,14 +21,10 @@ from qcomm.benchmark.harness import (
     MemoryEstimate,
     Run,
     TrainSeries,
-    add_figures,
-    round_steps,
     run_model,
     series_group,
-    timed_row,
 )
-from qcomm.benchmark.options import TRAIN_WARM_UP_STEPS, BenchConfig
-from qcomm.benchmark.results import MlpModel, MlpTrain
+from qcomm.benchmark.options import BenchConfig
 from qcomm.benchmark.rows import MlpRow
 from qcomm.benchmark.session import Session
 from qcomm.benchmark.train_mlp import LEARNING_RATE, OUTPUTS, Mlp, mlp_parameters
@@ -149,9 +145,17 @@ class Fsdp(Mlp):
     r"""
     The MLP under ``fully_shard`` as a model of the ``--train`` harness
     (:class:`~qcomm.benchmark.harness.TrainModel`): one series per way of
-    moving weights and gradients (:func:`fsdp_series`); its batches and steps
-    are the MLP's (:class:`~qcomm.benchmark.train_mlp.Mlp`).
+    moving weights and gradients (:func:`fsdp_series`); its batches, steps
+    and results are the MLP's (:class:`~qcomm.benchmark.train_mlp.Mlp`), the
+    model named ``fsdp``, a row's ``ddp_hook`` holding its series'
+    collectives and ``vs_fp16_hook`` its speed-up over FSDP's bf16 mixed
+    precision.
     """
+
+    _name = "fsdp"
+    _collectives = staticmethod(_collectives)
+    _baseline = DEFAULT
+    _reference = staticmethod(_bf16)
 
     def series(self, config: BenchConfig) -> list[TrainSeries]:
         r"""
@@ -197,52 +201,6 @@ class Fsdp(Mlp):
             run (Run): the series.
         """
         _build(session, config, run)
-
-    def results(
-        self, config: BenchConfig, runs: list[Run], losses: dict[str, list[float]]
-    ) -> MlpTrain:
-        r"""
-        results(config: BenchConfig, runs: list[Run], losses: dict[str, list[float]]) -> MlpTrain
-
-        The model (named ``fsdp``) and the rows: ``ddp_hook`` holds the
-        series' collectives and ``vs_fp16_hook`` its speed-up over FSDP's
-        bf16 mixed precision.
-
-        Args:
-            config (BenchConfig): the run's settings.
-            runs (list[Run]): every series of the run.
-            losses (dict[str, list[float]]): every step's loss of each series that ran, mean over ranks.
-        """
-        rows = [
-            timed_row(
-                run,
-                MlpRow(
-                    label=run.series.label,
-                    kind=run.series.kind,
-                    ddp_hook=_collectives(run.series),
-                    status=run.status,
-                    error=run.error,
-                ),
-            )
-            for run in runs
-        ]
-        for row, ratio in zip(rows, add_figures(rows, losses, DEFAULT, _bf16)):
-            row.vs_fp16_hook = ratio
-        parameters = mlp_parameters(config.train_layers, config.train_width)
-        model = MlpModel(
-            name="fsdp",
-            layers=config.train_layers,
-            width=config.train_width,
-            outputs=OUTPUTS,
-            parameters=parameters,
-            gradient_bytes=4 * parameters,
-            batch_per_rank=config.train_batch,
-            learning_rate=LEARNING_RATE,
-            steps=config.train_steps,
-            warm_up_steps=TRAIN_WARM_UP_STEPS,
-            steps_per_round=round_steps(config),
-        )
-        return MlpTrain(model=model, series=rows)
 
 
 def run_train_fsdp(config: BenchConfig, session: Session) -> int:

@@ -230,6 +230,15 @@ class Mlp:
     communication hook (:func:`mlp_series`).
     """
 
+    # What the results name and compare, which a model on the MLP's batches
+    # and steps (FSDP's) gives its own: the model's name, what a row's
+    # ``ddp_hook`` says of its series, the series every speed-up is over, and
+    # the one ``vs_fp16_hook`` is over.
+    _name = "mlp"
+    _collectives = staticmethod(_hook_name)
+    _baseline = DEFAULT_HOOK
+    _reference = staticmethod(_fp16_hook)
+
     def series(self, config: BenchConfig) -> list[TrainSeries]:
         r"""
         series(config: BenchConfig) -> list[TrainSeries]
@@ -321,17 +330,18 @@ class Mlp:
                 MlpRow(
                     label=run.series.label,
                     kind=run.series.kind,
-                    ddp_hook=_hook_name(run.series),
+                    ddp_hook=self._collectives(run.series),
                     status=run.status,
                     error=run.error,
                 ),
             )
             for run in runs
         ]
-        for row, ratio in zip(rows, add_figures(rows, losses, DEFAULT_HOOK, _fp16_hook)):
+        for row, ratio in zip(rows, add_figures(rows, losses, self._baseline, self._reference)):
             row.vs_fp16_hook = ratio
         parameters = mlp_parameters(config.train_layers, config.train_width)
         model = MlpModel(
+            name=self._name,
             layers=config.train_layers,
             width=config.train_width,
             outputs=OUTPUTS,
