@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
 import statistics
 import time
 
 import pytest
+from bench_runs import LAUNCHER_VARS, bench_config, spawn_train
 
 import qcomm
 import qcomm.config
 from qcomm import CodecError
-from qcomm.benchmark.command import config_from_args
 from qcomm.benchmark.harness import LOCAL
-from qcomm.benchmark.launch import spawn_local
 from qcomm.benchmark.options import TRAIN_DEFAULTS, TRAIN_QUICK, TRAIN_WARM_UP_STEPS, BenchConfig
 from qcomm.benchmark.train import advice_pick, train_series
 from qcomm.cli import build_parser
@@ -26,41 +24,18 @@ from qcomm.cli import main as cli_main
 
 pytest.importorskip("torchrec")
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE")
-
-
-def _config(*argv: str) -> BenchConfig:
-    return config_from_args(build_parser().parse_args(["bench", *argv]))
-
-
-def _strict_json(path: pathlib.Path) -> dict:
-    def refuse(name: str) -> None:
-        raise ValueError(f"non-standard JSON constant {name}")
-
-    return json.loads(path.read_text(), parse_constant=refuse)
-
-
-def _spawn(tmp_path_factory, *argv: str):
-    out = tmp_path_factory.mktemp("train") / "train.json"
-    with pytest.MonkeyPatch.context() as mp:
-        for name in LAUNCHER_VARS:
-            mp.delenv(name, raising=False)
-        config = _config("--train", "--quick", *argv, "--json", str(out))
-        status = spawn_local(config)
-    return config, status, _strict_json(out)
-
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """One `qcomm bench --train --quick` on 2 ranks: a tiny model, 5 steps, in
     TorchRec's pipeline (the default), with compiled series (aot_eager)."""
-    return _spawn(tmp_path_factory, "--train-compile", "aot_eager")
+    return spawn_train(tmp_path_factory, "--train-compile", "aot_eager")
 
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """The same in the plain loop, without TorchRec's codecs (fewer series)."""
-    return _spawn(tmp_path_factory, "--train-loop", "plain", "--no-fbgemm")
+    return spawn_train(tmp_path_factory, "--train-loop", "plain", "--no-fbgemm")
 
 
 def _close(a: float, b: float) -> bool:
@@ -244,44 +219,46 @@ def test_the_advice_rule():
 def test_train_options(monkeypatch, tmp_path):
     for name in LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
-    config = _config("--train")
+    config = bench_config("--train")
     assert config.train and config.rounds == 5
     assert config.train_tables == TRAIN_DEFAULTS["tables"]
     assert config.train_steps == TRAIN_DEFAULTS["steps"]
-    quick = _config("--train", "--quick")
+    quick = bench_config("--train", "--quick")
     assert (quick.train_tables, quick.train_dim, quick.train_batch, quick.train_steps) == tuple(
         TRAIN_QUICK[k] for k in ("tables", "dim", "batch", "steps")
     )
-    given = _config("--train", "--train-tables", "4", "--train-dim", "32", "--train-batch", "64")
+    given = bench_config(
+        "--train", "--train-tables", "4", "--train-dim", "32", "--train-batch", "64"
+    )
     assert (given.train_tables, given.train_dim, given.train_batch) == (4, 32, 64)
     again = BenchConfig.from_json(given.to_json())
     assert again.train and again.train_dim == 32
-    assert not _config().train
-    assert _config("--train", "--train-sharding", "row_wise").train_sharding == "row_wise"
-    assert _config("--train", "--train-model", "dlrm", "--train-dim", "64").train_dim == 64
+    assert not bench_config().train
+    assert bench_config("--train", "--train-sharding", "row_wise").train_sharding == "row_wise"
+    assert bench_config("--train", "--train-model", "dlrm", "--train-dim", "64").train_dim == 64
     assert (config.train_loop, config.train_compile) == ("pipeline", None)
-    looped = _config("--train", "--train-loop", "plain", "--train-compile", "inductor")
+    looped = bench_config("--train", "--train-loop", "plain", "--train-compile", "inductor")
     assert (looped.train_loop, looped.train_compile) == ("plain", "inductor")
     assert BenchConfig.from_json(looped.to_json()).train_compile == "inductor"
     for option in (["--train-loop", "plain"], ["--train-compile", "aot_eager"]):
         with pytest.raises(ValueError, match=f"{option[0]}: applies to --train only"):
-            _config(*option)
+            bench_config(*option)
         with pytest.raises(ValueError, match=f"{option[0]}: applies to --train-model dlrm only"):
-            _config("--train", "--train-model", "mlp", *option)
+            bench_config("--train", "--train-model", "mlp", *option)
     with pytest.raises(ValueError, match="--train-dim: applies to --train only"):
-        _config("--train-dim", "64")
+        bench_config("--train-dim", "64")
     with pytest.raises(ValueError, match="--train-dim: expected a multiple of 4, got 6"):
-        _config("--train", "--train-dim", "6")
+        bench_config("--train", "--train-dim", "6")
     with pytest.raises(ValueError, match=r"--train-steps: expected at least 7 .*--rounds 5.*got 6"):
-        _config("--train", "--train-steps", "6")
-    assert _config("--train", "--train-steps", "4", "--rounds", "2").train_steps == 4
+        bench_config("--train", "--train-steps", "6")
+    assert bench_config("--train", "--train-steps", "4", "--rounds", "2").train_steps == 4
     for option in (["--sizes", "64K"], ["--ops", "pooled"], ["--backward"], ["--codecs", "int8"]):
         with pytest.raises(ValueError, match=f"{option[0]}: .* does not apply to --train"):
-            _config("--train", *option)
+            bench_config("--train", *option)
     with pytest.raises(ValueError, match="--plot: .* does not apply to --train"):
-        _config("--train", "--plot", str(tmp_path / "out.png"))
+        bench_config("--train", "--plot", str(tmp_path / "out.png"))
     with pytest.raises(ValueError, match=r"--train-tables, --train-dim, --train-batch: .* GiB"):
-        _config("--train", "--train-tables", "1024", "--train-dim", "4096")
+        bench_config("--train", "--train-tables", "1024", "--train-dim", "4096")
 
 
 @pytest.mark.parametrize(
@@ -330,7 +307,7 @@ def test_a_planners_plan_is_the_sharding_every_series_trains(plain, tmp_path_fac
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     plan = {"t0": "row_wise", "t1": "table_wise:0"}
     path.write_text(json.dumps(plan))
-    config, status, results = _spawn(
+    config, status, results = spawn_train(
         tmp_path_factory, "--train-loop", "plain", "--no-fbgemm", "--train-plan", str(path)
     )
     assert status == 0

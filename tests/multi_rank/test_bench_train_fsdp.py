@@ -4,38 +4,22 @@ and FSDP float32's losses, and its options."""
 
 from __future__ import annotations
 
-import json
 import math
-import pathlib
 import statistics
 
 import pytest
+from bench_runs import bench_config, spawn_train
 
 import qcomm
-from qcomm.benchmark.command import config_from_args
 from qcomm.benchmark.harness import LOCAL
-from qcomm.benchmark.launch import spawn_local
-from qcomm.benchmark.options import TRAIN_MLP_DEFAULTS, TRAIN_MLP_QUICK, BenchConfig
+from qcomm.benchmark.options import TRAIN_MLP_DEFAULTS, TRAIN_MLP_QUICK
 from qcomm.benchmark.train_fsdp import BF16, DEFAULT, fsdp_series
-from qcomm.cli import build_parser
-
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE")
-
-
-def _config(*argv: str) -> BenchConfig:
-    return config_from_args(build_parser().parse_args(["bench", *argv]))
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """One `qcomm bench --train --train-model fsdp --quick` on 2 ranks: 5 steps."""
-    out = tmp_path_factory.mktemp("train_fsdp") / "train.json"
-    with pytest.MonkeyPatch.context() as mp:
-        for name in LAUNCHER_VARS:
-            mp.delenv(name, raising=False)
-        config = _config("--train", "--train-model", "fsdp", "--quick", "--json", str(out))
-        status = spawn_local(config)
-    return config, status, json.loads(pathlib.Path(out).read_text())
+    return spawn_train(tmp_path_factory, "--train-model", "fsdp")
 
 
 def _close(a: float, b: float) -> bool:
@@ -81,8 +65,8 @@ def test_qcomm_series_train_as_float32_does(smoke):
 
 
 def test_fsdp_takes_the_mlps_sizes():
-    config = _config("--train", "--train-model", "fsdp", "--train-layers", "3")
+    config = bench_config("--train", "--train-model", "fsdp", "--train-layers", "3")
     assert (config.train_model, config.train_layers) == ("fsdp", 3)
     assert config.train_width == TRAIN_MLP_DEFAULTS["width"]
     with pytest.raises(ValueError, match="--train-tables: applies to --train-model dlrm"):
-        _config("--train", "--train-model", "fsdp", "--train-tables", "4")
+        bench_config("--train", "--train-model", "fsdp", "--train-tables", "4")

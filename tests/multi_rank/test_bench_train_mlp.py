@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
 import statistics
 
 import pytest
+from bench_runs import LAUNCHER_VARS, bench_config, spawn_train
 
 import qcomm
-from qcomm.benchmark.command import config_from_args
 from qcomm.benchmark.harness import LOCAL
-from qcomm.benchmark.launch import spawn_local
 from qcomm.benchmark.options import (
     TRAIN_DEFAULTS,
     TRAIN_MLP_DEFAULTS,
@@ -32,28 +30,13 @@ from qcomm.benchmark.train_mlp import (
 )
 from qcomm.cli import build_parser
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE")
 U32 = 2.0**-24  # float32's unit roundoff
-
-
-def _config(*argv: str) -> BenchConfig:
-    return config_from_args(build_parser().parse_args(["bench", *argv]))
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """One `qcomm bench --train --train-model mlp --quick` on 2 ranks: 5 steps."""
-    out = tmp_path_factory.mktemp("train_mlp") / "train.json"
-    with pytest.MonkeyPatch.context() as mp:
-        for name in LAUNCHER_VARS:
-            mp.delenv(name, raising=False)
-        config = _config("--train", "--train-model", "mlp", "--quick", "--json", str(out))
-        status = spawn_local(config)
-
-    def refuse(name: str) -> None:
-        raise ValueError(f"non-standard JSON constant {name}")
-
-    return config, status, json.loads(pathlib.Path(out).read_text(), parse_constant=refuse)
+    return spawn_train(tmp_path_factory, "--train-model", "mlp")
 
 
 def _close(a: float, b: float) -> bool:
@@ -140,7 +123,7 @@ def test_the_text_report_shows_every_series(smoke):
 def test_mlp_options(monkeypatch):
     for name in LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
-    config = _config("--train", "--train-model", "mlp")
+    config = bench_config("--train", "--train-model", "mlp")
     assert (config.train_model, config.train_layers, config.train_width) == (
         "mlp",
         TRAIN_MLP_DEFAULTS["layers"],
@@ -150,37 +133,37 @@ def test_mlp_options(monkeypatch):
         TRAIN_MLP_DEFAULTS["batch"],
         TRAIN_MLP_DEFAULTS["steps"],
     )
-    quick = _config("--train", "--train-model", "mlp", "--quick")
+    quick = bench_config("--train", "--train-model", "mlp", "--quick")
     assert (quick.train_layers, quick.train_width, quick.train_batch, quick.train_steps) == tuple(
         TRAIN_MLP_QUICK[k] for k in ("layers", "width", "batch", "steps")
     )
     # The compute-bound setting of docs/bench.rst.
-    bound = _config(
+    bound = bench_config(
         "--train", "--train-model", "mlp", "--train-width", "512", "--train-batch", "8192"
     )
     assert (bound.train_layers, bound.train_width, bound.train_batch) == (8, 512, 8192)
     assert BenchConfig.from_json(bound.to_json()).train_width == 512
-    assert _config("--train").train_model == "dlrm"
+    assert bench_config("--train").train_model == "dlrm"
     for option, value in (
         ("--train-tables", "4"),
         ("--train-dim", "32"),
         ("--train-sharding", "row_wise"),
     ):
         with pytest.raises(ValueError, match=f"^{option}: applies to --train-model dlrm only"):
-            _config("--train", "--train-model", "mlp", option, value)
+            bench_config("--train", "--train-model", "mlp", option, value)
     for option in ("--train-layers", "--train-width"):
         with pytest.raises(
             ValueError, match=f"^{option}: applies to --train-model mlp or fsdp only"
         ):
-            _config("--train", option, "4")
+            bench_config("--train", option, "4")
         with pytest.raises(ValueError, match=f"^{option}: applies to --train only"):
-            _config(option, "4")
+            bench_config(option, "4")
     with pytest.raises(ValueError, match="^--train-model: applies to --train only"):
-        _config("--train-model", "mlp")
+        bench_config("--train-model", "mlp")
     with pytest.raises(ValueError, match=r"--train-steps: expected at least 7 .*got 6"):
-        _config("--train", "--train-model", "mlp", "--train-steps", "6")
+        bench_config("--train", "--train-model", "mlp", "--train-steps", "6")
     with pytest.raises(ValueError, match=r"^--train-layers, --train-width, .* GiB"):
-        _config(
+        bench_config(
             "--train", "--train-model", "mlp", "--train-layers", "1024", "--train-width", "65536"
         )
     assert "layers" not in TRAIN_DEFAULTS  # the DLRM's options stay the DLRM's
@@ -204,8 +187,8 @@ def test_mlp_numbers_out_of_range_are_usage_errors(capsys, argv, expected):
 @pytest.mark.parametrize("option", [["--no-fbgemm"], ["--link-gbps", "10"]])
 def test_mlp_refuses_what_it_would_ignore(option: list[str]) -> None:
     with pytest.raises(ValueError, match=f"{option[0]}: applies to the collectives"):
-        _config("--train", "--train-model", "mlp", *option)
-    _config("--train", *option)  # the DLRM takes them
+        bench_config("--train", "--train-model", "mlp", *option)
+    bench_config("--train", *option)  # the DLRM takes them
 
 
 def test_the_json_reads_back_as_typed_results_and_writes_the_same_text(smoke):
