@@ -20,6 +20,9 @@ __version__ = "0.1.0"
 # else (torch included) until a name is used: the pytest plugin and the
 # command line stay cheap to load.
 _HOMES = {
+    "AdaptiveCodec": "qcomm.adaptive",
+    "CallRecord": "qcomm.history",
+    "error_history": "qcomm.history",
     "Awaitable": "qcomm.awaitable",
     "NoWait": "qcomm.awaitable",
     "all_gather_pooled": "qcomm.collectives",
@@ -59,6 +62,9 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
+    from qcomm.adaptive import AdaptiveCodec as AdaptiveCodec
+    from qcomm.history import CallRecord as CallRecord
+    from qcomm.history import error_history as error_history
     from qcomm.awaitable import Awaitable as Awaitable
     from qcomm.awaitable import NoWait as NoWait
     from qcomm.codec_base import BlockCodec as BlockCodec

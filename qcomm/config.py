@@ -73,6 +73,10 @@ class Settings:
         codecs (str): the registry :func:`~qcomm.build_registry` builds when
             given nothing (see :doc:`codecs`); ``""``: none.
             ``QCOMM_CODECS``. Default: ``""``.
+        measure_errors (bool): whether every call that encodes measures its
+            error on a sample of what it sends (see :doc:`adaptive`);
+            adaptive and budgeted codecs always do. ``QCOMM_MEASURE_ERRORS``
+            (``1`` or ``0``). Default: ``True``.
     """
 
     transport: str = "auto"
@@ -82,6 +86,7 @@ class Settings:
     exit_timeout: float = _EXIT_TIMEOUT
     plugins: str = ""
     codecs: str = ""
+    measure_errors: bool = True
 
 
 #: Each field's environment variable.
@@ -93,6 +98,7 @@ VARIABLES: Mapping[str, str] = {
     "exit_timeout": "QCOMM_EXIT_TIMEOUT",
     "plugins": "QCOMM_PLUGINS",
     "codecs": "QCOMM_CODECS",
+    "measure_errors": "QCOMM_MEASURE_ERRORS",
 }
 assert tuple(VARIABLES) == tuple(f.name for f in dataclasses.fields(Settings))
 
@@ -154,6 +160,15 @@ def _text(raw: str, name: str) -> str:
     return raw
 
 
+def _switch(raw: str, name: str) -> bool:
+    value = raw.lower()
+    if value in ("", "1", "true", "on"):
+        return True
+    if value in ("0", "false", "off"):
+        return False
+    raise ValueError(f"{name}: expected '1' or '0', got {raw!r}")
+
+
 # How each field's variable is read: its text to its value.
 _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "transport": _transport,
@@ -163,6 +178,7 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "exit_timeout": _seconds,
     "plugins": _text,
     "codecs": _text,
+    "measure_errors": _switch,
 }
 
 
@@ -193,6 +209,9 @@ def _checked(field: str, value: Any) -> Any:
         ):
             raise ValueError(f"{where}: expected a finite number of seconds >= 0, got {value!r}")
         value = float(value)
+    elif field == "measure_errors":
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}: expected a bool, got {type(value).__name__} {value!r}")
     elif not isinstance(value, str):
         raise TypeError(f"{where}: expected a str, got {type(value).__name__} {value!r}")
     return value

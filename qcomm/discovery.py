@@ -14,7 +14,7 @@ import inspect
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from stevedore import DriverManager
 from stevedore.extension import error_on_conflict
@@ -302,6 +302,11 @@ def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
     load_codec(spec: str, **options: Any) -> QuantizedCommCodec
 
     Builds a codec from its spec, importing only the plugin that provides it.
+    ``max_error`` and ``on_exceed`` in any spec give the codec a budget (an
+    :class:`~qcomm.AdaptiveCodec` of one candidate); ``adaptive:a|b|...``
+    chooses among the candidate specs ``a``, ``b``, ... (each with its own
+    options), with the options ``max_error``, ``window`` and ``on_exceed``
+    (see :doc:`adaptive`).
 
     Args:
         spec (str): ``name`` or ``name:key=value,...``.
@@ -319,8 +324,73 @@ def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
         >>> load_codec("noop").calc_quantized_size(8)
         8
     """
+    if isinstance(spec, str) and spec.strip().partition(":")[0].strip() == ADAPTIVE:
+        return _adaptive(spec, options)
     name, spec_options = parse_codec_spec(spec)
     spec_options.update(options)
+    budget = {k: spec_options.pop(k) for k in _GUARD_KEYS if k in spec_options}
+    codec = _load(name, spec_options)
+    if not budget:
+        return codec
+    from qcomm.adaptive import AdaptiveCodec
+
+    try:
+        return cast("QuantizedCommCodec", AdaptiveCodec([codec], **budget))
+    except (TypeError, ValueError) as err:
+        raise CodecError(f"codec spec {spec!r}: {err}") from err
+
+
+#: The name of the adaptive codec in a spec (``adaptive:a|b|...``).
+ADAPTIVE = "adaptive"
+# The options of a budget, on any codec; an adaptive codec also takes window.
+_GUARD_KEYS = ("max_error", "on_exceed")
+_ADAPTIVE_KEYS = ("max_error", "on_exceed", "window")
+
+
+def _adaptive(spec: str, options: dict[str, Any]) -> QuantizedCommCodec:
+    """An :class:`~qcomm.AdaptiveCodec` from ``adaptive:a|b|...`` (options anywhere)."""
+    from qcomm.adaptive import AdaptiveCodec
+
+    rest = spec.strip().partition(":")[2]
+    own: dict[str, Any] = {}
+    candidates = []
+    for part in rest.split("|"):
+        items = [item.strip() for item in part.split(",")]
+        kept = []
+        for item in items:
+            key, eq, value = item.partition("=")
+            if eq and ":" not in key and key.strip() in _ADAPTIVE_KEYS:
+                if key.strip() in own:
+                    raise CodecError(f"option {key.strip()!r} is given twice in {spec!r}")
+                own[key.strip()] = parse_codec_spec(f"x:{item}")[1][key.strip()]
+            elif item:
+                kept.append(item)
+        if not kept:
+            raise CodecError(
+                f"codec spec {spec!r}: expected candidate specs joined by '|', e.g. "
+                f"'adaptive:mx4|int8|bf16', got an empty candidate"
+            )
+        candidates.append(",".join(kept))
+    unknown = sorted(set(options) - set(_ADAPTIVE_KEYS))
+    if unknown:
+        raise CodecError(
+            f"codec spec {spec!r}: the adaptive codec takes options {', '.join(_ADAPTIVE_KEYS)}, "
+            f"got {', '.join(unknown)}"
+        )
+    own.update(options)
+    codecs = []
+    for candidate in candidates:
+        if candidate.partition(":")[0].strip() == ADAPTIVE:
+            raise CodecError(f"codec spec {spec!r}: an adaptive codec cannot be a candidate")
+        codecs.append(load_codec(candidate))
+    try:
+        return cast("QuantizedCommCodec", AdaptiveCodec(codecs, **own))
+    except (TypeError, ValueError) as err:
+        raise CodecError(f"codec spec {spec!r}: {err}") from err
+
+
+def _load(name: str, spec_options: dict[str, Any]) -> QuantizedCommCodec:
+    """The codec ``name`` built with ``spec_options``, checked against the contract."""
     entry, allowed = _entry(name)
     release = f"{entry.distribution} {entry.version}"
     where = f"codec {name!r} ({entry.value}, distribution {release})"

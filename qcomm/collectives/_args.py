@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qcomm.adaptive import AdaptiveCodec
 from qcomm.collectives._backends import Backend
 from qcomm.collectives._hosts import ByHost, ranks_per_host
 from qcomm.types import (
@@ -138,6 +139,10 @@ _checked: weakref.WeakKeyDictionary[Any, set[tuple[Backend, Any]]] = weakref.Wea
 
 def check_codec(codec: Any, name: str, backend: Backend) -> None:
     """Checks that ``codec`` follows the contract, runs on the call's device and its wire can travel."""
+    if isinstance(codec, AdaptiveCodec):
+        for i, candidate in enumerate(codec.candidates):
+            check_codec(candidate, f"{name}.candidates[{i}]", backend)
+        return
     try:
         passed = _checked.get(codec)
     except TypeError:  # not weakly referenceable, or unhashable: checked every time

@@ -9,10 +9,11 @@ this rank's host one and the others another (see :mod:`._hosts`).
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from qcomm.adaptive import AdaptiveCodec
 from qcomm.collectives._describe import fingerprint
 from qcomm.collectives._wire import padded_lengths, wire_dtype
 from qcomm.types import CodecInfo, NoOpQuantizedCommCodec
@@ -50,6 +51,7 @@ class Coding:
 
     def __init__(self, codec: Any, dtype: torch.dtype) -> None:
         self.codec = codec
+        self.dtype = dtype
         self.ctx = codec.create_context()
         #: whether the data moves as it is (no encoding, no decoding)
         self.identity = is_identity(codec, dtype)
@@ -77,17 +79,42 @@ class Coding:
         return padded_lengths(self.codec, self.ctx, lengths, index, device, probe=probe)
 
 
-class PeerCodings:
-    """The :class:`Coding` of every rank of a call (this rank's own: the one it keeps)."""
+class Side(NamedTuple):
+    """
+    One codec a call was given (a :class:`~qcomm.HostCodecs` gives two, the
+    same host's and the other hosts'), in an order alike on every rank: the
+    codec, the candidate this call uses (an :class:`~qcomm.AdaptiveCodec`'s,
+    else 0), its :class:`Coding` here.
+    """
 
-    def __init__(self, codecs: list[Any], dtype: torch.dtype) -> None:
+    codec: Any
+    used: int
+    coding: Coding
+
+
+class PeerCodings:
+    """
+    The :class:`Coding` of every rank of a call (this rank's own: the one it
+    keeps). An :class:`~qcomm.AdaptiveCodec` takes the candidate it chooses
+    for ``collective`` (the call's name).
+    """
+
+    def __init__(self, codecs: list[Any], dtype: torch.dtype, collective: str = "") -> None:
         made: dict[int, Coding] = {}
-        for c in codecs:
-            if id(c) not in made:
-                made[id(c)] = Coding(c, dtype)
+        sides = []
+        for c in getattr(codecs, "sides", None) or codecs:
+            if id(c) in made:
+                continue
+            used = c.current(collective) if isinstance(c, AdaptiveCodec) else 0
+            made[id(c)] = coding = Coding(
+                c.candidates[used] if isinstance(c, AdaptiveCodec) else c, dtype
+            )
+            sides.append(Side(c, used, coding))
         self.by_rank = [made[id(c)] for c in codecs]
         #: the distinct codings, in the order of their first rank
-        self.distinct = list(made.values())
+        self.distinct = list({id(c): c for c in self.by_rank}.values())
+        #: the codecs given, in an order alike on every rank
+        self.sides = sides
 
     def __getitem__(self, rank: int) -> Coding:
         return self.by_rank[rank]
@@ -115,6 +142,11 @@ class PeerCodings:
         return list(out.values())
 
 
-def uniform(codec: Any, world: int, dtype: torch.dtype) -> PeerCodings:
-    """Every rank with ``codec``."""
-    return PeerCodings([codec] * world, dtype)
+def uniform(codec: Any, world: int, dtype: torch.dtype, collective: str = "") -> PeerCodings:
+    """Every rank with ``codec`` (``collective``: see :class:`PeerCodings`)."""
+    return PeerCodings([codec] * world, dtype, collective)
+
+
+def collective_of(name: str) -> str:
+    """A call's collective and pass, from its name (a backward's names its forward call)."""
+    return name.split(" of call ")[0]

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 from qcomm.collectives import _background, _buffers
 from qcomm.collectives._call import Call
-from qcomm.collectives._coding import Coding, PeerCodings
+from qcomm.collectives._coding import Coding, PeerCodings, collective_of
 from qcomm.collectives._header import Flow
+from qcomm.collectives._measure import Finished, Meter, slots_of
 from qcomm.collectives._protocol import Flows, Protocol
 from qcomm.collectives._transport import Transport
 from qcomm.collectives._wire import checked_decode, checked_encode, encodable, quantized_sizes
@@ -318,7 +319,9 @@ def start_exchange(
     steps = plan(sends, recvs, codings, transport, chunk_bytes)
     finish = _Receiver(steps, codings, transport, add, before)
     lender = _Lender(steps, codings) if background and transport.moves_alone else None
-    protocol = Protocol(call, codings, dtype, _flows(steps))
+    # A call that encodes measures its error (none that only moves data).
+    meter = Meter(codings, steps.sends, dtype) if any(map(slots_of, codings.sides)) else None
+    protocol = Protocol(call, codings, dtype, _flows(steps), meter.slots if meter else 0)
     if lender is not None and lender.copies:
         stage = _buffers.take(lender.copies, lender.dtype, transport.device)
         lender.stage = transport.hold(stage)
@@ -329,8 +332,10 @@ def start_exchange(
     transport.start()
     try:
         agreed, disagreement = protocol.agree()
-        failure = _send(steps, agreed, disagreement, codings, transport, protocol, lender, encoded)
-        protocol.release(failure is None)
+        failure = _send(
+            steps, agreed, disagreement, codings, transport, protocol, lender, encoded, meter
+        )
+        protocol.release(failure is None, _errors(meter) if failure is None else None)
         transport.flush()
     except BaseException:
         transport.abandon()
@@ -346,9 +351,22 @@ def start_exchange(
         local(0, 1)
         local = None
     finish.keep(agreed, local)
+    done: Callable[[], None] = finish
     if background and transport.moves_alone and _received(steps) >= _HAND_OFF:
-        return _background.later(finish)
-    return finish
+        done = _background.later(finish)
+    if meter is None:
+        return done
+    return Finished(done, meter, protocol, call, collective_of(call.name))
+
+
+def _errors(meter: Meter | None) -> torch.Tensor | None:
+    """The errors ``meter`` measured (NaN where measuring itself failed: the call goes on)."""
+    if meter is None:
+        return None
+    try:
+        return meter.errors()
+    except Exception:  # noqa: BLE001 - a figure is missing, never the data
+        return None
 
 
 class _Lender:
@@ -395,6 +413,7 @@ def _send(
     protocol: Protocol,
     lender: _Lender | None,
     encoded: Encoded | None,
+    meter: Meter | None,
 ) -> Exception | None:
     """Encodes and sends every piece to the agreeing peers; the call's failure, if any."""
     for i, (to, piece) in enumerate(steps.sends):
@@ -404,7 +423,7 @@ def _send(
         coding = codings[to[0]]
         if failure is None:
             try:
-                wire = _encode(coding, piece, transport.device, encoded)
+                wire = _encode(coding, piece, transport.device, encoded, meter)
             except Exception as err:
                 failure = err
         if failure is not None:
@@ -421,7 +440,11 @@ def _send(
 
 
 def _encode(
-    coding: Coding, piece: Piece, device: torch.device, encoded: Encoded | None
+    coding: Coding,
+    piece: Piece,
+    device: torch.device,
+    encoded: Encoded | None,
+    meter: Meter | None,
 ) -> torch.Tensor:
     """The wire of one piece."""
     region = piece.region
@@ -434,6 +457,8 @@ def _encode(
     wire = checked_encode(coding.codec, coding.ctx, x, piece.size, coding.wire_dtype)
     if encoded is not None:
         encoded(piece, x, wire, coding.ctx)
+    if meter is not None:
+        meter.take(coding, piece, x)
     return wire
 
 

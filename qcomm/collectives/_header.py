@@ -3,10 +3,11 @@ What each pair of ranks tells the other with the data of a call
 (docs/collectives.rst, "Mistakes and failures", says what it catches):
 
 - On every call, in-band: the last message to each peer ends with a
-  :data:`STATUS_BYTES`-byte status (whether this rank's whole call went
+  status of :func:`status_bytes` bytes (whether this rank's whole call went
   well, and a hash of the call as this rank sees it: the call's number on
   its group, the collective and pass, the codec's fingerprint, the dtype and
-  the sizes). A rank that fails after the receives were posted still sends
+  the sizes; then, where the call encodes, the errors this rank measured of
+  what it encoded, two float32 per slot of :mod:`._measure`). A rank that fails after the receives were posted still sends
   what it promised (zeros), with a failed status, so that no peer waits and
   none uses the zeros.
 - Under ``QCOMM_VERIFY=1``, a header before the data: :data:`SIZE` bytes,
@@ -26,12 +27,15 @@ import torch
 from qcomm.collectives._describe import hash64
 
 SIZE = 512
+#: the bytes of a status before its error slots
 STATUS_BYTES = 16
-_STATUS_MAGIC = 0x51535441  # "QSTA"
+#: the bytes of one error slot: a relative RMS error and a relative largest error
+SLOT_BYTES = 8
+_STATUS_MAGIC = 0x32545351  # "QST2": statuses with error slots
 _MAGIC = 0x51434F4D4D484452  # "QCOMMHDR"
 # Bumped whenever the layout changes, so that ranks running different qcomm
 # versions are told so instead of misreading each other.
-_PROTOCOL = 1
+_PROTOCOL = 2
 _FIELDS = 16
 _FORMAT = f"<{_FIELDS}q"
 _TEXT = SIZE - struct.calcsize(_FORMAT)
@@ -148,14 +152,33 @@ def _described(call: str, codec: int, dtype: str, flow: Flow) -> int:
     return hash64(f"{call}|{codec}|{dtype}|{flow.elements}|{flow.sizes}")
 
 
-def status_elements(dtype: torch.dtype) -> int:
+def status_bytes(slots: int) -> int:
+    """The bytes of a status with ``slots`` error slots."""
+    return STATUS_BYTES + SLOT_BYTES * slots
+
+
+def status_elements(dtype: torch.dtype, slots: int = 0) -> int:
     """Elements of ``dtype`` that hold a status (at the end of a peer's last message)."""
-    return -(-STATUS_BYTES // dtype.itemsize)
+    return -(-status_bytes(slots) // dtype.itemsize)
 
 
-def status(ok: bool, identity: int) -> bytes:
-    """A status, :data:`STATUS_BYTES` bytes."""
-    return struct.pack("<IIq", _STATUS_MAGIC, OK if ok else FAILED, identity)
+def status(ok: bool, identity: int, errors: torch.Tensor | None = None) -> bytes | torch.Tensor:
+    """
+    A status: bytes, or a uint8 tensor on the device of ``errors`` (float32,
+    two per slot) where they are not on the CPU, read there without a wait.
+    """
+    head = struct.pack("<IIq", _STATUS_MAGIC, OK if ok else FAILED, identity)
+    if errors is None or not errors.numel():
+        return head
+    if errors.device.type == "cpu":
+        return head + errors.numpy().tobytes()
+    on_device = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(errors.device)
+    return torch.cat([on_device, errors.view(torch.uint8)])
+
+
+def status_errors(blob: bytes, slots: int) -> list[float]:
+    """The error slots of a status read (two floats each), as sent."""
+    return list(struct.unpack_from(f"<{2 * slots}f", blob, STATUS_BYTES)) if slots else []
 
 
 def status_problem(blob: bytes, expected: int, peer: int) -> str | None:

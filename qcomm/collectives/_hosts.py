@@ -110,4 +110,15 @@ def per_peer(codec: Any, group: dist.ProcessGroup, rank: int, device: torch.devi
     if not isinstance(codec, ByHost):
         return [codec] * world
     hosts = host_of_ranks(group, codec.ranks_per_host, device)
-    return [codec.same if hosts[p] == hosts[rank] else codec.other for p in range(world)]
+    return ByPeer(
+        [codec.same if hosts[p] == hosts[rank] else codec.other for p in range(world)],
+        (codec.same, codec.other),
+    )
+
+
+class ByPeer(list[Any]):
+    """The codec of every rank, and ``sides``: the same host's and the other hosts' (alike on every rank)."""
+
+    def __init__(self, codecs: list[Any], sides: tuple[Any, Any]) -> None:
+        super().__init__(codecs)
+        self.sides = sides

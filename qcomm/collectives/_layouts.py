@@ -21,7 +21,7 @@ import torch
 
 from qcomm.collectives._buffers import lease
 from qcomm.collectives._call import Call
-from qcomm.collectives._coding import PeerCodings
+from qcomm.collectives._coding import PeerCodings, collective_of
 from qcomm.collectives._exchange import (
     Flat,
     Rows,
@@ -55,7 +55,7 @@ def sum_blocks(
     lengths = _blocks(splits, rest)
     world, rank = len(lengths), call.rank
     shape = (splits[rank], *rest)
-    codings = PeerCodings(codecs, dtype)
+    codings = PeerCodings(codecs, dtype, collective_of(call.name))
     padded = codings.padded(lengths, rank, x.device)
     flat = x.reshape(-1)
     o = offsets(lengths)
@@ -137,7 +137,7 @@ def gather_blocks(
     lengths = _blocks(splits, rest)
     world, rank = len(lengths), call.rank
     shape = (sum(splits), *rest)
-    codings = PeerCodings(codecs, mine.dtype)
+    codings = PeerCodings(codecs, mine.dtype, collective_of(call.name))
     padded = codings.padded(lengths, rank, mine.device)
     flat_mine = mine.reshape(-1)
     out = lease(shape, mine.dtype, mine.device)
@@ -176,7 +176,7 @@ def pooled_forward(
     waits for the output.
     """
     rank = call.rank
-    codings = PeerCodings(codecs, x.dtype)
+    codings = PeerCodings(codecs, x.dtype, collective_of(call.name))
     padded = codings.padded(dims, rank, x.device, probe=x)
     rows, cols = offsets(batches), offsets(dims)
     out = lease((batches[rank], cols[-1]), x.dtype, x.device)
@@ -209,7 +209,7 @@ def pooled_backward(
     g = grad
     dtype = g.dtype
     rank = call.rank
-    codings = PeerCodings(codecs, dtype)
+    codings = PeerCodings(codecs, dtype, collective_of(call.name))
     rows, cols = offsets(batches), offsets(dims)
     band = [g[:, cols[r] : cols[r + 1]] for r in range(len(dims))]
     padded = codings.padded(dims, rank, g.device, probe=band[rank])
@@ -253,7 +253,7 @@ def sequence_exchange(
     world, rank = len(send_rows), call.rank
     send_lengths = [n * width for n in send_rows]
     recv_lengths = [n * width for n in recv_rows]
-    codings = PeerCodings(codecs, dtype)
+    codings = PeerCodings(codecs, dtype, collective_of(call.name))
     padded = codings.padded(send_lengths + recv_lengths, rank, x.device)
     source = x.reshape(-1)
     out = lease((sum(recv_rows), *rest), dtype, x.device)

@@ -47,11 +47,17 @@ class Protocol:
     status that ends the last message to each peer, and the statuses read.
 
     ``codings`` gives each peer's :class:`~._coding.Coding`; ``flows``, by
-    peer, what travels each way (every peer but this rank).
+    peer, what travels each way (every peer but this rank); ``slots``, the
+    error slots every status carries (see :mod:`._measure`).
     """
 
     def __init__(
-        self, call: Any, codings: Any, dtype: torch.dtype, flows: dict[int, Flows]
+        self,
+        call: Any,
+        codings: Any,
+        dtype: torch.dtype,
+        flows: dict[int, Flows],
+        slots: int = 0,
     ) -> None:
         self._call = call
         self._transport: Transport = call.transport
@@ -85,11 +91,17 @@ class Protocol:
         self._held: dict[int, torch.Tensor] = {}
         self._statuses: dict[int, bytes | torch.Tensor] = {}
         self._agreed: set[int] = set(flows)
+        self.slots = slots
+        #: the bytes of every status of this exchange
+        self.status_bytes = _header.status_bytes(slots)
+        self._transport.trailer_bytes = self.status_bytes
+        #: by peer, the error slots its status carried (read by :meth:`verdict`)
+        self.errors: dict[int, list[float]] = {}
+        self._mine: torch.Tensor | None = None
 
-    @staticmethod
-    def status_elements(wire_dtype: torch.dtype) -> int:
+    def status_elements(self, wire_dtype: torch.dtype) -> int:
         """Elements of ``wire_dtype`` that a peer's last message carries beyond its data."""
-        return _header.status_elements(wire_dtype)
+        return _header.status_elements(wire_dtype, self.slots)
 
     def announce(self) -> None:
         """Sends this rank's header to every peer and posts theirs (a checked call only)."""
@@ -143,11 +155,26 @@ class Protocol:
         """
         self._held[peer] = wire
 
-    def release(self, ok: bool) -> None:
-        """Sends every held message, ending with the status of the whole call (``ok``)."""
+    def release(self, ok: bool, errors: torch.Tensor | None = None) -> None:
+        """
+        Sends every held message, ending with the status of the whole call
+        (``ok``) and the errors this rank measured (float32, two per slot).
+        """
+        self._mine = errors if ok else None
+        if self.slots and self._mine is None:
+            # Every status has the size its peer posted for, failed or not.
+            errors = torch.full((2 * self.slots,), float("nan"), device=self._transport.device)
         for peer, wire in self._held.items():
-            self._transport.send(peer, wire, _header.status(ok, self._own[peer]))
+            self._transport.send(peer, wire, _header.status(ok, self._own[peer], errors))
         self._held.clear()
+
+    def own_errors(self) -> list[float]:
+        """The error slots this rank sent (NaN where it did not measure)."""
+        mine = self._mine
+        if mine is None:
+            return [float("nan")] * (2 * self.slots)
+        values: list[float] = mine.cpu().tolist()
+        return values
 
     def last_received(self, peer: int, wire: torch.Tensor) -> torch.Tensor:
         """Reads the status of ``peer``'s last message (``wire``, as received); its data."""
@@ -180,7 +207,12 @@ class Protocol:
             s if isinstance(s, bytes) else next(host).tobytes()
             for s in (statuses[p] for p in order)
         )
-        width = _header.STATUS_BYTES
+        width = self.status_bytes
+        if self.slots:
+            self.errors = {
+                p: _header.status_errors(blobs[i * width :], self.slots)
+                for i, p in enumerate(order)
+            }
         said = [
             problem
             for i, p in enumerate(order)

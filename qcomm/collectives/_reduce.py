@@ -44,7 +44,8 @@ def reduce_in_steps(
         plan = state.gather(step, divide) if step.gather else state.scatter(step)
         for x in plan.marked:
             mark_infinities(x)
-        record = Record(step.codec, plan.sinks) if plan.sinks else None
+        # The codec this step encodes with (an adaptive codec's choice).
+        record = Record(plan.coding[call.rank].codec, plan.sinks) if plan.sinks else None
         into = plan.into
         if plan.widen:
             # The sum runs in float32, beside the blocks of a narrower dtype.
@@ -137,7 +138,7 @@ class _Blocks:
         codec, peers, blocks = step.codec, step.peers, step.blocks
         residuals = self.residuals if step.feedback else None
         identity = is_identity(codec, buf.dtype)
-        coding = uniform(codec, self.world, buf.dtype)
+        coding = uniform(codec, self.world, buf.dtype, step.name)
         padded = coding[rank].padded(self.lengths, rank, buf.device)
         sent = [(p, b) for p in peers for b in self._of(blocks, p)]
         # What goes out of each block: the block itself, or with residuals,
@@ -179,7 +180,7 @@ class _Blocks:
         identity = is_identity(codec, buf.dtype)
         # The owner takes the values its peers decode, once its chunks
         # (perhaps read from its blocks) are encoded and sent.
-        coding = uniform(codec, self.world, buf.dtype)
+        coding = uniform(codec, self.world, buf.dtype, step.name)
         padded = coding[rank].padded(self.lengths, rank, buf.device)
         residual = self.residuals.gather if self.residuals is not None and step.feedback else None
         out, sinks = {}, []

@@ -168,7 +168,9 @@ class Transport:
     def start(self) -> None:
         """Posts the declared receives, where the backend allows it before any send."""
 
-    def send(self, peer: int, wire: torch.Tensor, trailer: bytes | None = None) -> None:
+    def send(
+        self, peer: int, wire: torch.Tensor, trailer: bytes | torch.Tensor | None = None
+    ) -> None:
         """
         Sends a contiguous 1-D wire to ``peer``, followed by ``trailer``
         (:attr:`trailer_bytes` bytes, padded to whole elements) where given;
@@ -321,7 +323,9 @@ class PointToPoint(Transport):
             else:
                 work.append(None)
 
-    def send(self, peer: int, wire: torch.Tensor, trailer: bytes | None = None) -> None:
+    def send(
+        self, peer: int, wire: torch.Tensor, trailer: bytes | torch.Tensor | None = None
+    ) -> None:
         super().send(peer, wire, trailer)
         message = self._sends[-1][1]
         if message.numel():
@@ -363,9 +367,11 @@ class OneAllToAll(Transport):
         self._work: Any = None
         self._control_out: dict[int, torch.Tensor] = {}
         self._control_in: torch.Tensor | None = None
-        self._pieces: list[tuple[int, torch.Tensor, bytes | None]] = []
+        self._pieces: list[tuple[int, torch.Tensor, bytes | torch.Tensor | None]] = []
 
-    def send(self, peer: int, wire: torch.Tensor, trailer: bytes | None = None) -> None:
+    def send(
+        self, peer: int, wire: torch.Tensor, trailer: bytes | torch.Tensor | None = None
+    ) -> None:
         # Laid out (copied) once, in flush(): no joined copy first.
         self._pieces.append((peer, wire, trailer))
 
@@ -449,15 +455,16 @@ class OneAllToAll(Transport):
         super().close()
 
 
-def _trailer_elements(trailer: bytes | None, dtype: torch.dtype) -> int:
+def _trailer_elements(trailer: bytes | torch.Tensor | None, dtype: torch.dtype) -> int:
     return 0 if trailer is None else -(-len(trailer) // dtype.itemsize)
 
 
-def _write(out: torch.Tensor, wire: torch.Tensor, trailer: bytes | None) -> None:
+def _write(out: torch.Tensor, wire: torch.Tensor, trailer: bytes | torch.Tensor | None) -> None:
     """Writes ``wire`` then ``trailer`` into ``out`` (any dtype: its bytes are written)."""
     size = wire.numel() * wire.element_size()
     out = out.view(torch.uint8)
-    if out.device.type == "cpu" and wire.device.type == "cpu" and wire.stride(-1) == 1:
+    on_cpu = out.device.type == "cpu" and wire.device.type == "cpu"
+    if on_cpu and wire.stride(-1) == 1 and not isinstance(trailer, torch.Tensor):
         # numpy's copies cost a fraction of torch's per call: on small calls
         # this is most of what the trailer costs.
         raw = out.numpy()
@@ -468,10 +475,13 @@ def _write(out: torch.Tensor, wire: torch.Tensor, trailer: bytes | None) -> None
     out[:size].view(wire.dtype).copy_(wire)
     if trailer is not None:
         tail = out[size : size + len(trailer)]
-        tail.copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8), non_blocking=True)
+        if isinstance(trailer, torch.Tensor):  # made on the device: no host synchronisation
+            tail.copy_(trailer)
+        else:
+            tail.copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8), non_blocking=True)
 
 
-def _joined(wire: torch.Tensor, trailer: bytes) -> torch.Tensor:
+def _joined(wire: torch.Tensor, trailer: bytes | torch.Tensor) -> torch.Tensor:
     """``wire`` followed by ``trailer``, in a buffer from ``_buffers`` (give it back)."""
     size = wire.numel() + _trailer_elements(trailer, wire.dtype)
     out = _buffers.take(size, wire.dtype, wire.device)

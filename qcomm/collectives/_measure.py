@@ -1,0 +1,259 @@
+"""
+Each call's error, measured where it is sent (docs/adaptive.rst): while an
+exchange encodes, a :class:`Meter` keeps a deterministic sample of what each
+codec of the call encodes, spread over every chunk it sends; before the
+last messages go, it encodes and decodes the sample again with the codec
+(and with each candidate of an :class:`~qcomm.AdaptiveCodec`) and puts the
+relative RMS error and the largest error in the status every peer reads.
+Once the call is finished, :meth:`Meter.learn` gives every rank's figures
+to the codec's record and to the adaptive codec's choice, in the caller's
+thread (:class:`Finished`), so that every rank chooses from the same calls.
+
+The sample falls on whole scale blocks (the codec's ``error_block``, and
+whole rows of a row-padded region), so that each block is encoded as in the
+call itself: the errors are exactly the call's on those blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qcomm import config
+from qcomm.adaptive import AdaptiveCodec
+from qcomm.collectives._coding import Coding, PeerCodings, Side, is_identity
+from qcomm.collectives._wire import encodable
+from qcomm.history import CallRecord, log_of
+from qcomm.types import CodecError, codec_info
+
+#: Elements sampled per codec and call (spread over its chunks, whole blocks).
+SAMPLE = 4096
+
+
+def measured(side: Side) -> bool:
+    """Whether a call measures ``side``: it encodes (adaptive codecs always do)."""
+    return isinstance(side.codec, AdaptiveCodec) or not side.coding.identity
+
+
+def slots_of(side: Side) -> int:
+    """The error slots ``side`` takes in every status: one per candidate."""
+    if isinstance(side.codec, AdaptiveCodec):
+        return len(side.codec.candidates)
+    return 1 if measured(side) else 0
+
+
+class Meter:
+    """
+    The error measurement of one exchange: ``sends``, the plan's sends (each
+    ``(peers, piece)``), tells it how many chunks each codec encodes, to
+    spread its sample over them.
+    """
+
+    def __init__(self, codings: PeerCodings, sends: list[Any], dtype: torch.dtype) -> None:
+        self.sides = codings.sides
+        self.slots = sum(slots_of(s) for s in self.sides)
+        every = config._read("measure_errors")[0] is not False
+        # An adaptive codec's choice needs its figures: measured whatever the setting.
+        self._on = [every or isinstance(s.codec, AdaptiveCodec) for s in self.sides]
+        self._index = {id(s.coding): i for i, s in enumerate(self.sides)}
+        self._samples: list[list[torch.Tensor]] = [[] for _ in self.sides]
+        pieces = [0] * len(self.sides)
+        self.wire_bytes = [0] * len(self.sides)
+        self.data_bytes = [0] * len(self.sides)
+        for to, piece in sends:
+            if piece.region is None:
+                continue
+            i = self._index[id(codings[to[0]])]
+            pieces[i] += 1
+            itemsize = self.sides[i].coding.wire_dtype.itemsize
+            self.wire_bytes[i] += piece.size * itemsize * len(to)
+            self.data_bytes[i] += (piece.stop - piece.start) * dtype.itemsize * len(to)
+        self._quota = [max(1, SAMPLE // n) if n else 0 for n in pieces]
+
+    def take(self, coding: Coding, piece: Any, x: torch.Tensor) -> None:
+        """Keeps this chunk's share of the sample (``x``: what the codec encoded)."""
+        i = self._index.get(id(coding))
+        if i is None or not self._on[i] or not slots_of(self.sides[i]):
+            return
+        granule = _granule(coding, piece.region)
+        flat = x.reshape(-1)
+        blocks = flat.numel() // granule
+        if blocks == 0:
+            self._samples[i].append(flat[: self._quota[i]])
+            return
+        k = min(blocks, max(1, self._quota[i] // granule))
+        if k == blocks:
+            self._samples[i].append(flat[: blocks * granule])
+            return
+        # Evenly spread, the same blocks on every call of this shape.
+        at = torch.arange(k, device=x.device) * blocks // k
+        self._samples[i].append(flat[: blocks * granule].view(blocks, granule)[at].reshape(-1))
+
+    def errors(self) -> torch.Tensor | None:
+        """Every slot's relative RMS and largest error (float32, two per slot; NaN: none)."""
+        if not self.slots:
+            return None
+        out: list[torch.Tensor] = []
+        device = None
+        for i, side in enumerate(self.sides):
+            if not slots_of(side):
+                continue
+            parts = self._samples[i]
+            sample = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else None
+            codecs = (
+                side.codec.candidates if isinstance(side.codec, AdaptiveCodec) else [side.codec]
+            )
+            for codec in codecs:
+                out.append(_error(codec, sample, side.coding.dtype))
+            if sample is not None:
+                device = sample.device
+        self._samples = [[] for _ in self.sides]
+        values = torch.stack([o.to(device) if device is not None else o for o in out])
+        return values.to(torch.float32).reshape(-1)
+
+    def learn(
+        self,
+        protocol: Any,
+        rank: int,
+        world: int,
+        collective: str,
+        number: int,
+        finished: Callable[[], None],
+    ) -> CodecError | None:
+        """
+        Gives every rank's figures, read from the statuses, to each codec's
+        record and each adaptive codec's choice; the guard's error to raise, if any.
+        """
+        rows = [protocol.errors.get(p) for p in range(world)]
+        rows[rank] = protocol.own_errors()
+        nan = [math.nan] * (2 * self.slots)
+        table = torch.tensor([r if r is not None else nan for r in rows], dtype=torch.float64)
+        table = table.view(world, self.slots, 2)
+        failure = None
+        at = 0
+        for i, side in enumerate(self.sides):
+            n = slots_of(side)
+            if not n:
+                continue
+            mine = table[:, at : at + n]
+            at += n
+            used = mine[:, side.used]
+            record = CallRecord(
+                collective,
+                number,
+                codec_info(side.coding.codec).name,
+                tuple(used[:, 0].tolist()),
+                tuple(used[:, 1].tolist()),
+                self.wire_bytes[i],
+                self.data_bytes[i],
+            )
+            if isinstance(side.codec, AdaptiveCodec):
+                worst = [_worst(mine[:, c, 0]) for c in range(n)]
+                record = record._replace(candidates=tuple(worst))
+                error = side.codec.learn(collective, finished, side.used, mine[..., 0], record)
+                failure = failure or error
+            elif (log := log_of(side.codec)) is not None:
+                log.add(record)
+        return failure
+
+
+def _worst(column: torch.Tensor) -> float:
+    measured = column[~column.isnan()]
+    return float(measured.max()) if measured.numel() else math.nan
+
+
+def _granule(coding: Coding, region: Any) -> int:
+    """Elements that are encoded alike however the data is cut (whole scale blocks, whole rows)."""
+    info = codec_info(coding.codec)
+    block = info.error_block if info.error_block >= 1 else 1
+    padded = getattr(region, "padded", 0)
+    if hasattr(region, "region") and region.region.dim() == 2 and padded:
+        return padded * (block // math.gcd(block, padded))
+    return block
+
+
+def _error(codec: Any, sample: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``codec``'s relative RMS and largest error on ``sample`` (NaN: nothing, or it failed)."""
+    if sample is None or not sample.numel():
+        return torch.full((2,), math.nan)
+    if is_identity(codec, dtype):
+        return torch.zeros(2, device=sample.device)
+    x = encodable(sample, codec)
+    try:
+        ctx = codec.create_context()
+        decoded = codec.decode(codec.encode(x, ctx), ctx).reshape(-1)[: x.numel()]
+    except Exception:  # noqa: BLE001 - the call itself says what is wrong with the codec
+        return torch.full((2,), math.nan, device=sample.device)
+    # In float64: a square of a tiny float32 value is not a float32.
+    x64 = x.to(torch.float64)
+    finite = torch.isfinite(x64)
+    x64 = torch.where(finite, x64, 0.0)
+    lost = torch.where(finite, decoded.to(torch.float64) - x64, 0.0)
+    lost = torch.nan_to_num(lost, nan=math.inf, posinf=math.inf, neginf=math.inf)
+    rms = _ratio(lost.square().sum().sqrt(), x64.square().sum().sqrt())
+    top = _ratio(lost.abs().max(), x64.abs().max())
+    return torch.stack([rms, top])
+
+
+def _ratio(lost: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``lost / scale``; 0 where both are 0, inf where only ``scale`` is."""
+    return torch.where(scale > 0, lost / scale, torch.where(lost > 0, math.inf, 0.0))
+
+
+class Finished:
+    """
+    What waits for an exchange and then gives its errors to its codecs
+    (:meth:`Meter.learn`): callable any number of times, from any thread,
+    and run at most once; a guard's error is raised by every call of it.
+    """
+
+    def __init__(
+        self,
+        done: Callable[[], None],
+        meter: Meter,
+        protocol: Any,
+        call: Any,
+        collective: str,
+    ) -> None:
+        self._done: Callable[[], None] | None = done
+        self._meter = meter
+        self._protocol = protocol
+        self._rank, self._world, self._number = call.rank, call.world, call.number
+        self._collective = collective
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        for side in meter.sides:
+            if isinstance(side.codec, AdaptiveCodec):
+                side.codec.began(collective, self)
+
+    def __call__(self) -> None:
+        with self._lock:
+            done, self._done = self._done, None
+            if done is not None:
+                try:
+                    done()
+                    self._error = self._meter.learn(
+                        self._protocol,
+                        self._rank,
+                        self._world,
+                        self._collective,
+                        self._number,
+                        self,
+                    )
+                except BaseException as err:
+                    self._error = err
+                    self._forget()
+                    raise
+                finally:
+                    self._protocol = None
+            if self._error is not None:
+                raise self._error
+
+    def _forget(self) -> None:
+        for side in self._meter.sides:
+            if isinstance(side.codec, AdaptiveCodec):
+                side.codec.learn_nothing(self._collective, self)
