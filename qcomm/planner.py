@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from qcomm.adaptive import AdaptiveCodec
 from qcomm.ops import CommOp
 from qcomm.types import HostCodecs, NoOpQuantizedCommCodec, codec_info, read_quantized_dtype
 
@@ -131,7 +132,8 @@ class CommsProfile:
         Seconds a codec takes to encode (or decode) ``float32_bytes``; none
         for a codec that changes nothing: qcomm's or TorchRec's no-op codec
         (of any wire dtype), a codec whose wire is the float32 data itself,
-        or the name ``"noop"``.
+        or the name ``"noop"``. An :class:`~qcomm.AdaptiveCodec` takes its
+        last candidate's time.
 
         Args:
             codec (str | QuantizedCommCodec): the codec, or its name.
@@ -141,6 +143,7 @@ class CommsProfile:
         Returns:
             float: the seconds.
         """
+        codec = _costed(codec)
         if isinstance(codec, str):
             name = codec
             if name == "noop":
@@ -151,6 +154,11 @@ class CommsProfile:
             name = codec_info(codec).name
         rates = self.encode_Bps if encode else self.decode_Bps
         return float32_bytes / rates.get(name, DEFAULT_CODEC_BPS)
+
+
+def _costed(codec: Any) -> Any:
+    """The codec a plan costs: an adaptive codec's last candidate, the most precise (an upper bound)."""
+    return codec.candidates[-1] if isinstance(codec, AdaptiveCodec) else codec
 
 
 def _default_profile() -> CommsProfile:
@@ -192,6 +200,8 @@ def wire_bytes(codec: Any, rows: int, cols: int, *, pooled: bool = True) -> int:
     :meth:`~qcomm.QuantizedCommCodec.calc_quantized_size` times its wire
     dtype's size, with the columns first padded as the codec's
     :meth:`~qcomm.QuantizedCommCodec.padded_size` asks in a pooled all-to-all.
+    An :class:`~qcomm.AdaptiveCodec` is costed at its last candidate, the
+    most precise it may choose: an upper bound.
 
     Args:
         codec (QuantizedCommCodec): the codec.
@@ -216,6 +226,7 @@ def wire_bytes(codec: Any, rows: int, cols: int, *, pooled: bool = True) -> int:
     for name, value in (("rows", rows), ("cols", cols)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
+    codec = _costed(codec)
     ctx = codec.create_context()
     if pooled and rows and cols:
         # A meta tensor: padded_size reads the shape only.
