@@ -276,9 +276,10 @@ def route(op: CommOp | str, codecs: Any = None, *, compiled: bool = False) -> Ro
             ``torch.compile``; the route is the same. Default: ``False``.
 
     Returns:
-        Route: the transport and why. On TorchRec's transport, a
-        reduce-scatter pair that it cannot carry (:func:`carried`) is
-        refused by the call; the reason says so.
+        Route: the transport and why. On TorchRec's transport, a pair
+        with an adaptive or budgeted codec (:class:`~qcomm.AdaptiveCodec`),
+        and a reduce-scatter pair that it cannot carry (:func:`carried`),
+        are refused by the call; the reason says so.
 
     Raises:
         CodecError: if ``op`` names no :class:`~qcomm.CommOp`.
@@ -297,6 +298,9 @@ def route(op: CommOp | str, codecs: Any = None, *, compiled: bool = False) -> Ro
     if codecs is not None and not isinstance(codecs, QuantizedCommCodecs):
         return Route("torchrec", _NOT_OURS)
     found = _route(due=True)
+    adaptive = _adaptive(codecs) if codecs is not None else []
+    if found.transport == "torchrec" and adaptive:
+        return Route("torchrec", f"{found.reason}; the call is refused: {'; '.join(adaptive)}")
     if found.transport == "torchrec" and op is CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER:
         problems = _uncarried(codecs) if codecs is not None else []
         if problems:
@@ -384,6 +388,7 @@ def _replacement(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         custom = given.get("all_to_all_single_comm") is not None
         ours = _ours(given["codecs"], group)
         if custom or not ours:
+            _refuse_adaptive(name, given["codecs"], group, custom)
             if name in _SUMMED:
                 _refuse_summed_wires(name, given["codecs"], group)
             if custom and ours:
@@ -490,6 +495,39 @@ def _refuse_summed_wires(name: str, codecs: Any, group: Any) -> None:
         f"the ranks' wires as they are, and the registry's POOLED_EMBEDDINGS_REDUCE_SCATTER "
         f"pair cannot be summed so ({'; '.join(problems)}): the result would be silently "
         f"wrong. Give that op fp16, bf16 or noop, or run it on qcomm's exchange"
+    )
+
+
+def _adaptive(pair: Any) -> list[str]:
+    """The codecs of ``pair`` that only qcomm's exchange can run (adaptive or budgeted), in words."""
+    from qcomm.adaptive import AdaptiveCodec
+
+    found = [(side, getattr(pair, side, None)) for side in ("forward", "backward")]
+    return [
+        f"its {side} codec ({'|'.join(c.names)}, max_error={c.max_error:g}) is adaptive or budgeted"
+        for side, c in found
+        if isinstance(c, AdaptiveCodec)
+    ]
+
+
+def _refuse_adaptive(name: str, codecs: Any, group: Any, custom: bool) -> None:
+    # An adaptive codec chooses each call's codec from the errors carried in
+    # qcomm's statuses, which TorchRec's transport has none of: refused here,
+    # before TorchRec sends anything, on every rank alike (all take the same
+    # route). Its backward codec too: the forward would run, the backward fail.
+    # Under torch.compile a plain raise: dynamo runs the frame eagerly, or,
+    # with fullgraph=True, names this error in its own.
+    if not isinstance(codecs, QuantizedCommCodecs) or dist.get_world_size(group) <= 1:
+        return
+    problems = _adaptive(codecs)
+    if not problems:
+        return
+    why = "the call passes its own all_to_all_single_comm" if custom else _route(due=False).reason
+    raise CodecError(
+        f"comm_ops.{name}: this call runs on TorchRec's own transport ({why}), which carries "
+        f"no in-band status, so the errors an adaptive codec chooses by never reach it "
+        f"({'; '.join(problems)}). Run it on qcomm's exchange: leave the setting "
+        f"torchrec_collectives at 'qcomm' ({ENV}) and qcomm.torchrec_exchange installed"
     )
 
 
