@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from qcomm import _events
+from qcomm.adaptive import AdaptiveCodec
 from qcomm.collectives import _streams, all_gather_pooled, reduce_scatter_pooled
 from qcomm.collectives._args import check_chunk_bytes
 from qcomm.collectives._coding import is_identity
@@ -589,6 +590,15 @@ def fsdp_quantize(
     gather, _ = _split(_pair(weights, "weights"), hsdp, "weights")
     if gather is not None:
         info = codec_info(gather.forward)
+        if isinstance(gather.forward, AdaptiveCodec):
+            # The owner encodes and decodes its own shard itself, with the
+            # codec the exchange would use: which one an adaptive codec
+            # chooses, only the exchange knows.
+            raise ValueError(
+                "weights: an adaptive or budgeted codec cannot gather weights: each shard's "
+                "owner decodes its own shard with the codec itself, outside the exchange that "
+                "chooses and measures it; give it to gradients, or a plain codec to weights"
+            )
         if info.stateful or info.stochastic:
             raise ValueError(
                 f"weights: codec {info.name!r} is {'stateful' if info.stateful else 'stochastic'}: "
@@ -600,6 +610,15 @@ def fsdp_quantize(
         replicas = QuantizedCommCodecs()  # the replicas still need averaging
     if error_feedback and grads is not None and not isinstance(grads, HostCodecs):
         info = codec_info(grads.forward)
+        if isinstance(grads.forward, AdaptiveCodec):
+            # The residual comes of a second, local encoding with the codec
+            # itself (see below), which an adaptive codec leaves to the exchange.
+            raise ValueError(
+                "error_feedback: an adaptive or budgeted gradient codec cannot carry error "
+                "feedback in FSDP2: the residual is what a second, local encoding of each "
+                "block loses, and only the exchange knows which candidate encoded it; drop "
+                "error_feedback or give a plain codec"
+            )
         if info.stateful or info.stochastic:
             # The residual is what a second, local encoding of each block
             # loses, not what the wire lost: the same only for a codec that
