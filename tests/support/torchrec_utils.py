@@ -220,11 +220,11 @@ DLRM_TABLES = ("t0", "t1", "t2")
 
 
 def small_dlrm(
-    rank: int, world: int, registry: str, *, dim: int, rows: int, dense: int
+    rank: int, world: int, registry: Any, *, dim: int, rows: int, dense: int
 ) -> tuple[Any, torch.optim.Optimizer]:
     """
     TorchRec's ``DLRMTrain`` under ``DistributedModelParallel`` on the CPU,
-    with the codecs of ``registry`` (a registry string): the tables of
+    with the codecs of ``registry`` (a registry string, or a registry): the tables of
     :data:`DLRM_TABLES` (table-wise on ranks 0 and 1, row-wise), the same
     weights on every call, and SGD on the dense part.
     """
@@ -238,7 +238,7 @@ def small_dlrm(
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
     from torchrec.models.dlrm import DLRM, DLRMTrain
 
-    codecs = qcomm.build_registry(registry)
+    codecs = qcomm.build_registry(registry) if isinstance(registry, str) else registry
     torch.manual_seed(0)  # the dense layers
     configs = [
         EmbeddingBagConfig(name=t, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{t}"])
