@@ -86,12 +86,10 @@ class Meter:
             self._samples[i].append(flat[: self._quota[i]])
             return
         k = min(blocks, max(1, self._quota[i] // granule))
-        if k == blocks:
-            self._samples[i].append(flat[: blocks * granule])
-            return
-        # Evenly spread, the same blocks on every call of this shape.
-        at = torch.arange(k, device=x.device) * blocks // k
-        self._samples[i].append(flat[: blocks * granule].view(blocks, granule)[at].reshape(-1))
+        # Every step-th block: spread over the chunk, the same blocks on
+        # every call of this shape, and a view (copied once, by errors()).
+        step = blocks // k
+        self._samples[i].append(flat[: blocks * granule].view(blocks, granule)[::step][:k])
 
     def errors(self) -> torch.Tensor | None:
         """Every slot's relative RMS and largest error (float32, two per slot; NaN: none)."""
@@ -102,7 +100,7 @@ class Meter:
         for i, side in enumerate(self.sides):
             if not slots_of(side):
                 continue
-            parts = self._samples[i]
+            parts = [p.reshape(-1) for p in self._samples[i]]
             sample = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else None
             codecs = (
                 side.codec.candidates if isinstance(side.codec, AdaptiveCodec) else [side.codec]
@@ -128,42 +126,34 @@ class Meter:
         Gives every rank's figures, read from the statuses, to each codec's
         record and each adaptive codec's choice; the guard's error to raise, if any.
         """
-        rows = [protocol.errors.get(p) for p in range(world)]
-        rows[rank] = protocol.own_errors()
         nan = [math.nan] * (2 * self.slots)
-        table = torch.tensor([r if r is not None else nan for r in rows], dtype=torch.float64)
-        table = table.view(world, self.slots, 2)
+        rows = [protocol.errors.get(p, nan) for p in range(world)]
+        rows[rank] = protocol.own_errors()
         failure = None
         at = 0
         for i, side in enumerate(self.sides):
             n = slots_of(side)
             if not n:
                 continue
-            mine = table[:, at : at + n]
+            # By rank, each candidate's relative RMS error, then the used one's largest.
+            rms = [row[2 * at : 2 * (at + n) : 2] for row in rows]
+            top = [row[2 * (at + side.used) + 1] for row in rows]
             at += n
-            used = mine[:, side.used]
             record = CallRecord(
                 collective,
                 number,
                 codec_info(side.coding.codec).name,
-                tuple(used[:, 0].tolist()),
-                tuple(used[:, 1].tolist()),
+                tuple(r[side.used] for r in rms),
+                tuple(top),
                 self.wire_bytes[i],
                 self.data_bytes[i],
             )
             if isinstance(side.codec, AdaptiveCodec):
-                worst = [_worst(mine[:, c, 0]) for c in range(n)]
-                record = record._replace(candidates=tuple(worst))
-                error = side.codec.learn(collective, finished, side.used, mine[..., 0], record)
+                error = side.codec.learn(collective, finished, side.used, rms, record)
                 failure = failure or error
             elif (log := log_of(side.codec)) is not None:
                 log.add(record)
         return failure
-
-
-def _worst(column: torch.Tensor) -> float:
-    measured = column[~column.isnan()]
-    return float(measured.max()) if measured.numel() else math.nan
 
 
 def _granule(coding: Coding, region: Any) -> int:
@@ -188,7 +178,29 @@ def _error(codec: Any, sample: torch.Tensor | None, dtype: torch.dtype) -> torch
         decoded = codec.decode(codec.encode(x, ctx), ctx).reshape(-1)[: x.numel()]
     except Exception:  # noqa: BLE001 - the call itself says what is wrong with the codec
         return torch.full((2,), math.nan, device=sample.device)
-    # In float64: a square of a tiny float32 value is not a float32.
+    x = x.float()
+    both = torch.stack([decoded.float() - x, x])
+    # Norms in float64: a square of a tiny float32 value is not a float32.
+    norms = torch.linalg.vector_norm(both, dim=1, dtype=torch.float64)
+    tops = both.abs().amax(dim=1).double()
+    if x.device.type == "cpu":
+        lost, norm, top_lost, top = norms.tolist() + tops.tolist()
+        if math.isfinite(lost + norm + top_lost + top):
+            return torch.tensor([_divide(lost, norm), _divide(top_lost, top)], dtype=torch.float64)
+    return _careful(x, decoded)
+
+
+def _divide(lost: float, scale: float) -> float:
+    """``lost / scale``; 0 where both are 0, inf where only ``scale`` is."""
+    return lost / scale if scale > 0 else (math.inf if lost > 0 else 0.0)
+
+
+def _careful(x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """
+    :func:`_error` where an input or a decoded value is not finite (and on a
+    device, without a host synchronisation): non-finite inputs are left out,
+    a non-finite value decoded from a finite one is an infinite error.
+    """
     x64 = x.to(torch.float64)
     finite = torch.isfinite(x64)
     x64 = torch.where(finite, x64, 0.0)

@@ -21,7 +21,7 @@ def _record(codec: str = "int8") -> CallRecord:
 def _learn(codec: AdaptiveCodec, errors: list[list[float]], key: str = "c") -> int:
     """One call's figures (``errors[rank][candidate]``); the next call's candidate."""
     used = codec.current(key)
-    codec.learn(key, None, used, torch.tensor(errors, dtype=torch.float64), _record())
+    codec.learn(key, None, used, errors, _record())
     return codec.current(key)
 
 
@@ -168,7 +168,7 @@ def test_a_guard_with_on_exceed_raise_returns_the_error_naming_collective_rank_a
         "all_to_all_pooled forward",
         None,
         used,
-        torch.tensor([[0.001], [0.002], [0.04]], dtype=torch.float64),
+        [[0.001], [0.002], [0.04]],
         _record(),
     )
     assert isinstance(error, qcomm.CodecError)
