@@ -74,7 +74,8 @@ class AdaptiveCodec:
     Args:
         candidates (Sequence[QuantizedCommCodec]): the codecs, cheapest first.
         max_error (float, optional): the budget, a relative RMS error.
-            Default: :data:`DEFAULT_MAX_ERROR`.
+            Default: ``None`` (:data:`DEFAULT_MAX_ERROR`, or a registry-wide
+            budget of :func:`~qcomm.build_registry`).
         window (int, optional): calls a cheaper candidate must stay within
             budget before it is taken. Default: :data:`DEFAULT_WINDOW`.
         on_exceed (str, optional): ``"warn"`` or ``"raise"``. Default: ``"warn"``.
@@ -95,7 +96,7 @@ class AdaptiveCodec:
         self,
         candidates: Sequence[Any],
         *,
-        max_error: float = DEFAULT_MAX_ERROR,
+        max_error: float | None = None,
         window: int = DEFAULT_WINDOW,
         on_exceed: str = "warn",
     ) -> None:
@@ -118,6 +119,9 @@ class AdaptiveCodec:
                     f"candidates[{i}]: {codec_info(codec).name!r} keeps state across calls, "
                     "which measuring it on a sample would disturb"
                 )
+        #: whether ``max_error`` was given (a registry-wide budget leaves it be)
+        self.own_budget = max_error is not None
+        max_error = DEFAULT_MAX_ERROR if max_error is None else max_error
         if (
             isinstance(max_error, bool)
             or not isinstance(max_error, (int, float))

@@ -227,3 +227,34 @@ def test_a_saturating_codec_measures_its_loss_and_nonfinite_inputs_are_left_out(
 def test_an_all_zero_sample_measures_no_error() -> None:
     mx4 = qcomm.load_codec("mx4")
     assert _measure._error(mx4, torch.zeros(64), torch.float32) == [0.0, 0.0]
+
+
+def test_a_registry_wide_budget_guards_every_codec_without_one_of_its_own() -> None:
+    registry = qcomm.build_registry(
+        "pooled_embeddings_all_to_all=int8/adaptive:fp16|bf16,"
+        "pooled_embeddings_reduce_scatter=adaptive:mx4|int8,max_error=0.2/noop",
+        max_error=0.01,
+        on_exceed="raise",
+    )
+    pooled = registry["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    assert isinstance(pooled.forward, AdaptiveCodec)
+    assert (pooled.forward.names, pooled.forward.max_error) == (("int8",), 0.01)
+    assert pooled.forward.on_exceed == "raise"
+    assert (pooled.backward.names, pooled.backward.max_error) == (("fp16", "bf16"), 0.01)
+    scatter = registry["POOLED_EMBEDDINGS_REDUCE_SCATTER"]
+    assert scatter.forward.max_error == 0.2  # its own budget stays
+    assert isinstance(scatter.backward, qcomm.NoOpQuantizedCommCodec)
+
+
+def test_a_registry_wide_budget_reaches_codecs_by_host_and_is_checked() -> None:
+    registry = qcomm.build_registry(
+        {"POOLED_EMBEDDINGS_ALL_TO_ALL": "same_host=noop+other_host=int8/bf16"}, max_error=0.05
+    )
+    pair = registry["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    assert isinstance(pair, qcomm.HostCodecs)
+    assert isinstance(pair.same_host.forward, qcomm.NoOpQuantizedCommCodec)
+    assert pair.other_host.backward.names == ("bf16",)
+    with pytest.raises(qcomm.CodecError, match="max_error"):
+        qcomm.build_registry(forward="int8", max_error=-1.0)
+    with pytest.raises(qcomm.CodecError, match="on_exceed is given without max_error"):
+        qcomm.build_registry(forward="int8", on_exceed="raise")
