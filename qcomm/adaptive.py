@@ -30,11 +30,11 @@ from qcomm.history import CallLog, CallRecord
 
 __all__ = ["DEFAULT_MAX_ERROR", "DEFAULT_WINDOW", "ON_EXCEED", "AdaptiveCodec"]
 
-#: The default error budget: a relative RMS error (that of ``qcomm bench``'s advice).
+#: the default error budget, a relative RMS error (that of ``qcomm bench``'s advice)
 DEFAULT_MAX_ERROR = 3e-2
-#: The default number of calls a cheaper candidate must stay within budget before it is taken.
+#: calls a cheaper candidate must stay within budget before it is taken, by default
 DEFAULT_WINDOW = 8
-#: What a call over budget does where no candidate is left to switch to.
+#: what a call over budget may do where no candidate is left to switch to
 ON_EXCEED = ("warn", "raise")
 
 _log = logging.getLogger("qcomm.adaptive")
@@ -74,10 +74,10 @@ class AdaptiveCodec:
     Args:
         candidates (Sequence[QuantizedCommCodec]): the codecs, cheapest first.
         max_error (float, optional): the budget, a relative RMS error.
-            Default: ``None`` (:data:`DEFAULT_MAX_ERROR`, or a registry-wide
+            Default: ``None`` (:data:`~qcomm.adaptive.DEFAULT_MAX_ERROR`, or a registry-wide
             budget of :func:`~qcomm.build_registry`).
         window (int, optional): calls a cheaper candidate must stay within
-            budget before it is taken. Default: :data:`DEFAULT_WINDOW`.
+            budget before it is taken. Default: :data:`~qcomm.adaptive.DEFAULT_WINDOW`.
         on_exceed (str, optional): ``"warn"`` or ``"raise"``. Default: ``"warn"``.
 
     Raises:
@@ -180,7 +180,7 @@ class AdaptiveCodec:
             collective (str): the collective and pass.
 
         Returns:
-            int: an index into :attr:`candidates`.
+            int: an index into the candidates.
         """
         with self._lock:
             state = self._state(collective)
