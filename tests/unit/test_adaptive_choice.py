@@ -258,3 +258,14 @@ def test_a_registry_wide_budget_reaches_codecs_by_host_and_is_checked() -> None:
         qcomm.build_registry(forward="int8", max_error=-1.0)
     with pytest.raises(qcomm.CodecError, match="on_exceed is given without max_error"):
         qcomm.build_registry(forward="int8", on_exceed="raise")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["adaptive:mx4|int8", "int8:max_error=0.1", "same_host=noop+other_host=bf16:on_exceed=raise"],
+)
+def test_the_collective_bench_refuses_budgets_and_adaptive_codecs(spec: str) -> None:
+    from qcomm.benchmark.options import check_spec
+
+    with pytest.raises(qcomm.CodecError, match="qcomm bench --train"):
+        check_spec(spec)
