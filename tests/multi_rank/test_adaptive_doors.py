@@ -65,9 +65,9 @@ def _opened(fn: Any, *args: Any) -> tuple[Any, dict[str, int]]:
 # -- the DDP hook ----------------------------------------------------------------
 
 
-def _ddp(rank: int) -> dict[str, Any]:
+def _ddp(rank: int) -> dict[bool, Any]:
     """Rank 1's gradients drop below fp16's range at step 4, with and without feedback."""
-    out: dict[str, Any] = {}
+    out: dict[bool, Any] = {}
     for feedback in (False, True):
         state, hook = qcomm.ddp_comm_hook(SPEC, error_feedback=feedback)
         averaged = []
@@ -141,7 +141,7 @@ def _fsdp(rank: int) -> dict[str, Any]:
     def model() -> torch.nn.Module:
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(12, 30), torch.nn.Tanh(), torch.nn.Linear(30, 5))
-        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        mesh = DeviceMesh.from_group(dist.distributed_c10d._get_default_group(), "cpu")
         for layer in net:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
