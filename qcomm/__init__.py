@@ -63,8 +63,6 @@ __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
     from qcomm.adaptive import AdaptiveCodec as AdaptiveCodec
-    from qcomm.history import CallRecord as CallRecord
-    from qcomm.history import error_history as error_history
     from qcomm.awaitable import Awaitable as Awaitable
     from qcomm.awaitable import NoWait as NoWait
     from qcomm.codec_base import BlockCodec as BlockCodec
@@ -84,6 +82,8 @@ if TYPE_CHECKING:
     from qcomm.errors import CodecError as CodecError
     from qcomm.fsdp import FSDPCommState as FSDPCommState
     from qcomm.fsdp import fsdp_quantize as fsdp_quantize
+    from qcomm.history import CallRecord as CallRecord
+    from qcomm.history import error_history as error_history
     from qcomm.ops import CommOp as CommOp
     from qcomm.planner import CodecPerfEstimator as CodecPerfEstimator
     from qcomm.planner import CommsProfile as CommsProfile

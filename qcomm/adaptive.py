@@ -74,7 +74,8 @@ class AdaptiveCodec:
     Args:
         candidates (Sequence[QuantizedCommCodec]): the codecs, cheapest first.
         max_error (float, optional): the budget, a relative RMS error.
-            Default: :data:`DEFAULT_MAX_ERROR`.
+            Default: ``None`` (:data:`DEFAULT_MAX_ERROR`, or a registry-wide
+            budget of :func:`~qcomm.build_registry`).
         window (int, optional): calls a cheaper candidate must stay within
             budget before it is taken. Default: :data:`DEFAULT_WINDOW`.
         on_exceed (str, optional): ``"warn"`` or ``"raise"``. Default: ``"warn"``.
@@ -95,7 +96,7 @@ class AdaptiveCodec:
         self,
         candidates: Sequence[Any],
         *,
-        max_error: float = DEFAULT_MAX_ERROR,
+        max_error: float | None = None,
         window: int = DEFAULT_WINDOW,
         on_exceed: str = "warn",
     ) -> None:
@@ -118,6 +119,9 @@ class AdaptiveCodec:
                     f"candidates[{i}]: {codec_info(codec).name!r} keeps state across calls, "
                     "which measuring it on a sample would disturb"
                 )
+        #: whether ``max_error`` was given (a registry-wide budget leaves it be)
+        self.own_budget = max_error is not None
+        max_error = DEFAULT_MAX_ERROR if max_error is None else max_error
         if (
             isinstance(max_error, bool)
             or not isinstance(max_error, (int, float))
@@ -205,11 +209,11 @@ class AdaptiveCodec:
         collective: str,
         finish: Callable[[], None] | None,
         used: int,
-        errors: torch.Tensor,
+        errors: Sequence[Sequence[float]],
         record: CallRecord,
     ) -> CodecError | None:
         r"""
-        Takes one call's figures: ``errors[rank, candidate]`` are the relative
+        Takes one call's figures: ``errors[rank][candidate]`` are the relative
         RMS errors every rank measured (NaN: not measured); ``used``, the
         candidate the call used. Sets the next call's choice; returns the
         error to raise where the call is over budget with no candidate left
@@ -220,6 +224,7 @@ class AdaptiveCodec:
             if finish is not None and finish in state.pending:
                 state.pending.remove(finish)
             worst = _worst(errors)
+            record = record._replace(candidates=tuple(worst))
             for c, value in enumerate(worst):
                 if not math.isnan(value):
                     state.seen[c].append(value)
@@ -240,7 +245,8 @@ class AdaptiveCodec:
             )
         if not over or used < len(self.candidates) - 1:
             return None
-        rank = int(torch.nan_to_num(errors[:, used], nan=-1.0).argmax())
+        column = [-1.0 if math.isnan(row[used]) else row[used] for row in errors]
+        rank = column.index(max(column))
         text = (
             f"{collective}: {self.names[used]}'s relative RMS error {worst[used]:.3g} on rank "
             f"{rank} exceeds the budget {self.max_error:g} (max_error)"
@@ -287,10 +293,10 @@ class _State:
         self.pending: list[Callable[[], None]] = []
 
 
-def _worst(errors: torch.Tensor) -> list[float]:
+def _worst(errors: Sequence[Sequence[float]]) -> list[float]:
     """Each candidate's largest error over the ranks that measured it (NaN: none did)."""
     out = []
-    for column in errors.t().tolist():
+    for column in zip(*errors, strict=True):
         measured = [e for e in column if not math.isnan(e)]
         out.append(max(measured) if measured else math.nan)
     return out

@@ -147,9 +147,11 @@ def build_registry(
     forward: Any = None,
     backward: Any = None,
     allow_unsummable_reduce_scatter: bool = False,
+    max_error: float | None = None,
+    on_exceed: str | None = None,
 ) -> dict[str, QuantizedCommCodecs]:
     r"""
-    build_registry(codecs: Mapping | str | None = None, *, forward=None, backward=None, allow_unsummable_reduce_scatter=False) -> dict[str, QuantizedCommCodecs]
+    build_registry(codecs: Mapping | str | None = None, *, forward=None, backward=None, allow_unsummable_reduce_scatter=False, max_error=None, on_exceed=None) -> dict[str, QuantizedCommCodecs]
 
     Builds the registry TorchRec sharders take as ``qcomm_codecs_registry``
     from keywords, a string (see :doc:`codecs`; with no argument, the setting
@@ -179,6 +181,14 @@ def build_registry(
             in :func:`~qcomm.reduce_scatter_pooled`; a TorchRec call that takes
             TorchRec's transport with it is still refused. Needless on qcomm's
             exchange, where any pair is accepted. Default: ``False``.
+        max_error (float, optional): a budget for every codec of the registry
+            that encodes and has none of its own: each becomes an
+            :class:`~qcomm.AdaptiveCodec` of one candidate (a guard), and an
+            adaptive codec without ``max_error`` takes it (see :doc:`adaptive`).
+            Default: ``None`` (only the budgets the specs give).
+        on_exceed (str, optional): what a call over that budget does,
+            ``"warn"`` or ``"raise"``; only with ``max_error``. Default:
+            ``None`` (``"warn"``, or each spec's own).
 
     Returns:
         dict[str, QuantizedCommCodecs]: pairs keyed by ``CommOp.name``; each
@@ -200,6 +210,50 @@ def build_registry(
     """
     if codecs is not None and (forward is not None or backward is not None):
         raise CodecError("build_registry: give either 'codecs' or 'forward'/'backward', not both")
+    if on_exceed is not None and max_error is None:
+        raise CodecError("build_registry: on_exceed is given without max_error")
+    registry = _unbudgeted(codecs, forward, backward, allow_unsummable_reduce_scatter)
+    if max_error is None:
+        return registry
+    return {k: _budgeted(pair, max_error, on_exceed) for k, pair in registry.items()}
+
+
+def _budgeted(pair: QuantizedCommCodecs, max_error: float, on_exceed: str | None) -> Any:
+    """``pair`` with a registry-wide budget on each codec that encodes and has none of its own."""
+    from qcomm.adaptive import AdaptiveCodec
+
+    def budget(codec: Any, where: str) -> Any:
+        if isinstance(codec, NoOpQuantizedCommCodec):
+            return codec  # nothing is lost
+        try:
+            if isinstance(codec, AdaptiveCodec):
+                if codec.own_budget:
+                    return codec
+                return AdaptiveCodec(
+                    codec.candidates,
+                    max_error=max_error,
+                    window=codec.window,
+                    on_exceed=on_exceed or codec.on_exceed,
+                )
+            return AdaptiveCodec([codec], max_error=max_error, on_exceed=on_exceed or "warn")
+        except (TypeError, ValueError) as err:
+            raise CodecError(f"build_registry: {where}: {err}") from err
+
+    if isinstance(pair, HostCodecs):
+        return HostCodecs(
+            same_host=_budgeted(pair.same_host, max_error, on_exceed),
+            other_host=_budgeted(pair.other_host, max_error, on_exceed),
+            ranks_per_host=pair.ranks_per_host,
+        )
+    return QuantizedCommCodecs(
+        forward=budget(pair.forward, "forward"), backward=budget(pair.backward, "backward")
+    )
+
+
+def _unbudgeted(
+    codecs: Any, forward: Any, backward: Any, allow_unsummable_reduce_scatter: bool
+) -> dict[str, QuantizedCommCodecs]:
+    """:func:`build_registry` without its budget."""
     registry: dict[str, QuantizedCommCodecs] = {}
     if forward is not None or backward is not None:
         for op in CommOp:

@@ -107,6 +107,12 @@ PHASES: dict[str, tuple[str, ...]] = {
     "background hand-off": ("qcomm.collectives._background:later",),
     "waiting for background": ("qcomm.collectives._background:_Job.join",),
     "decode and store": ("qcomm.collectives._exchange:_decode",),
+    "error measurement": (
+        "qcomm.collectives._measure:Meter.__init__",
+        "qcomm.collectives._measure:Meter.take",
+        "qcomm.collectives._measure:Meter.errors",
+        "qcomm.collectives._measure:Meter.learn",
+    ),
     "autograd": (
         "qcomm.collectives._pending:Pending.__init__",
         "qcomm.collectives._pending:Pending._wait_impl",

@@ -359,7 +359,7 @@ def start_exchange(
     return Finished(done, meter, protocol, call, collective_of(call.name))
 
 
-def _errors(meter: Meter | None) -> torch.Tensor | None:
+def _errors(meter: Meter | None) -> list[float] | torch.Tensor | None:
     """The errors ``meter`` measured (NaN where measuring itself failed: the call goes on)."""
     if meter is None:
         return None

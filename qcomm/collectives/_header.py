@@ -162,14 +162,18 @@ def status_elements(dtype: torch.dtype, slots: int = 0) -> int:
     return -(-status_bytes(slots) // dtype.itemsize)
 
 
-def status(ok: bool, identity: int, errors: torch.Tensor | None = None) -> bytes | torch.Tensor:
+def status(
+    ok: bool, identity: int, errors: list[float] | torch.Tensor | None = None
+) -> bytes | torch.Tensor:
     """
     A status: bytes, or a uint8 tensor on the device of ``errors`` (float32,
-    two per slot) where they are not on the CPU, read there without a wait.
+    two per slot) where they are a tensor not on the CPU, read there without a wait.
     """
     head = struct.pack("<IIq", _STATUS_MAGIC, OK if ok else FAILED, identity)
-    if errors is None or not errors.numel():
+    if errors is None:
         return head
+    if isinstance(errors, list):
+        return head + struct.pack(f"<{len(errors)}f", *errors)
     if errors.device.type == "cpu":
         return head + errors.numpy().tobytes()
     on_device = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(errors.device)

@@ -16,11 +16,13 @@ call itself: the errors are exactly the call's on those blocks.
 
 from __future__ import annotations
 
+import array
 import math
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import torch
 
 from qcomm import config
@@ -86,34 +88,37 @@ class Meter:
             self._samples[i].append(flat[: self._quota[i]])
             return
         k = min(blocks, max(1, self._quota[i] // granule))
-        if k == blocks:
-            self._samples[i].append(flat[: blocks * granule])
-            return
-        # Evenly spread, the same blocks on every call of this shape.
-        at = torch.arange(k, device=x.device) * blocks // k
-        self._samples[i].append(flat[: blocks * granule].view(blocks, granule)[at].reshape(-1))
+        # Every step-th block: spread over the chunk, the same blocks on
+        # every call of this shape, and a view (copied once, by errors()).
+        step = blocks // k
+        self._samples[i].append(flat[: blocks * granule].view(blocks, granule)[::step][:k])
 
-    def errors(self) -> torch.Tensor | None:
-        """Every slot's relative RMS and largest error (float32, two per slot; NaN: none)."""
+    def errors(self) -> list[float] | torch.Tensor | None:
+        """
+        Every slot's relative RMS and largest error (two per slot; NaN: none),
+        as float32 values, or a float32 tensor on the sample's device.
+        """
         if not self.slots:
             return None
-        out: list[torch.Tensor] = []
-        device = None
+        out: list[list[float] | torch.Tensor] = []
         for i, side in enumerate(self.sides):
             if not slots_of(side):
                 continue
-            parts = self._samples[i]
-            sample = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else None
+            sample = _joined(self._samples[i])
             codecs = (
                 side.codec.candidates if isinstance(side.codec, AdaptiveCodec) else [side.codec]
             )
-            for codec in codecs:
-                out.append(_error(codec, sample, side.coding.dtype))
-            if sample is not None:
-                device = sample.device
+            out += [_error(codec, sample, side.coding.dtype) for codec in codecs]
         self._samples = [[] for _ in self.sides]
-        values = torch.stack([o.to(device) if device is not None else o for o in out])
-        return values.to(torch.float32).reshape(-1)
+        on_device = [o for o in out if isinstance(o, torch.Tensor)]
+        if not on_device:
+            # Rounded to the float32 the status carries: this rank's own
+            # figures are then exactly those its peers read.
+            return list(array.array("f", [v for pair in out for v in pair]))
+        device = on_device[0].device
+        return torch.cat(
+            [torch.as_tensor(o, dtype=torch.float64, device=device).reshape(-1) for o in out]
+        ).to(torch.float32)
 
     def learn(
         self,
@@ -128,42 +133,45 @@ class Meter:
         Gives every rank's figures, read from the statuses, to each codec's
         record and each adaptive codec's choice; the guard's error to raise, if any.
         """
-        rows = [protocol.errors.get(p) for p in range(world)]
-        rows[rank] = protocol.own_errors()
         nan = [math.nan] * (2 * self.slots)
-        table = torch.tensor([r if r is not None else nan for r in rows], dtype=torch.float64)
-        table = table.view(world, self.slots, 2)
+        rows = [protocol.errors.get(p, nan) for p in range(world)]
+        rows[rank] = protocol.own_errors()
         failure = None
         at = 0
         for i, side in enumerate(self.sides):
             n = slots_of(side)
             if not n:
                 continue
-            mine = table[:, at : at + n]
+            # By rank, each candidate's relative RMS error, then the used one's largest.
+            rms = [row[2 * at : 2 * (at + n) : 2] for row in rows]
+            top = [row[2 * (at + side.used) + 1] for row in rows]
             at += n
-            used = mine[:, side.used]
             record = CallRecord(
                 collective,
                 number,
                 codec_info(side.coding.codec).name,
-                tuple(used[:, 0].tolist()),
-                tuple(used[:, 1].tolist()),
+                tuple(r[side.used] for r in rms),
+                tuple(top),
                 self.wire_bytes[i],
                 self.data_bytes[i],
             )
             if isinstance(side.codec, AdaptiveCodec):
-                worst = [_worst(mine[:, c, 0]) for c in range(n)]
-                record = record._replace(candidates=tuple(worst))
-                error = side.codec.learn(collective, finished, side.used, mine[..., 0], record)
+                error = side.codec.learn(collective, finished, side.used, rms, record)
                 failure = failure or error
             elif (log := log_of(side.codec)) is not None:
                 log.add(record)
         return failure
 
 
-def _worst(column: torch.Tensor) -> float:
-    measured = column[~column.isnan()]
-    return float(measured.max()) if measured.numel() else math.nan
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The parts of a sample as one contiguous 1-D tensor (one copy where they are views)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0].reshape(-1)
+    if all(p.dim() == 2 and p.shape[1] == parts[0].shape[1] for p in parts):
+        return torch.cat(parts).view(-1)
+    return torch.cat([p.reshape(-1) for p in parts])
 
 
 def _granule(coding: Coding, region: Any) -> int:
@@ -176,19 +184,46 @@ def _granule(coding: Coding, region: Any) -> int:
     return block
 
 
-def _error(codec: Any, sample: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``codec``'s relative RMS and largest error on ``sample`` (NaN: nothing, or it failed)."""
+def _error(
+    codec: Any, sample: torch.Tensor | None, dtype: torch.dtype
+) -> list[float] | torch.Tensor:
+    """
+    ``codec``'s relative RMS and largest error on ``sample`` (NaN: nothing,
+    or it failed): two floats, or a tensor of them on the sample's device.
+    """
     if sample is None or not sample.numel():
-        return torch.full((2,), math.nan)
+        return [math.nan, math.nan]
     if is_identity(codec, dtype):
-        return torch.zeros(2, device=sample.device)
+        return [0.0, 0.0]
     x = encodable(sample, codec)
     try:
         ctx = codec.create_context()
         decoded = codec.decode(codec.encode(x, ctx), ctx).reshape(-1)[: x.numel()]
     except Exception:  # noqa: BLE001 - the call itself says what is wrong with the codec
-        return torch.full((2,), math.nan, device=sample.device)
-    # In float64: a square of a tiny float32 value is not a float32.
+        return [math.nan, math.nan]
+    if x.device.type == "cpu":
+        # numpy's operations cost a fraction of torch's on a sample this
+        # small; float64, as a square of a tiny float32 value is not a float32.
+        x64 = x.float().numpy().astype(numpy.float64)
+        lost = decoded.float().numpy() - x64
+        norm, norm_lost = math.sqrt(x64 @ x64), math.sqrt(lost @ lost)
+        top, top_lost = float(numpy.abs(x64).max()), float(numpy.abs(lost).max())
+        if math.isfinite(norm + norm_lost + top + top_lost):
+            return [_divide(norm_lost, norm), _divide(top_lost, top)]
+    return _careful(x.float(), decoded)
+
+
+def _divide(lost: float, scale: float) -> float:
+    """``lost / scale``; 0 where both are 0, inf where only ``scale`` is."""
+    return lost / scale if scale > 0 else (math.inf if lost > 0 else 0.0)
+
+
+def _careful(x: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """
+    :func:`_error` where an input or a decoded value is not finite (and on a
+    device, without a host synchronisation): non-finite inputs are left out,
+    a non-finite value decoded from a finite one is an infinite error.
+    """
     x64 = x.to(torch.float64)
     finite = torch.isfinite(x64)
     x64 = torch.where(finite, x64, 0.0)

@@ -97,7 +97,7 @@ class Protocol:
         self._transport.trailer_bytes = self.status_bytes
         #: by peer, the error slots its status carried (read by :meth:`verdict`)
         self.errors: dict[int, list[float]] = {}
-        self._mine: torch.Tensor | None = None
+        self._mine: list[float] | torch.Tensor | None = None
 
     def status_elements(self, wire_dtype: torch.dtype) -> int:
         """Elements of ``wire_dtype`` that a peer's last message carries beyond its data."""
@@ -155,7 +155,7 @@ class Protocol:
         """
         self._held[peer] = wire
 
-    def release(self, ok: bool, errors: torch.Tensor | None = None) -> None:
+    def release(self, ok: bool, errors: list[float] | torch.Tensor | None = None) -> None:
         """
         Sends every held message, ending with the status of the whole call
         (``ok``) and the errors this rank measured (float32, two per slot).
@@ -163,7 +163,7 @@ class Protocol:
         self._mine = errors if ok else None
         if self.slots and self._mine is None:
             # Every status has the size its peer posted for, failed or not.
-            errors = torch.full((2 * self.slots,), float("nan"), device=self._transport.device)
+            errors = [float("nan")] * (2 * self.slots)
         for peer, wire in self._held.items():
             self._transport.send(peer, wire, _header.status(ok, self._own[peer], errors))
         self._held.clear()
@@ -173,6 +173,8 @@ class Protocol:
         mine = self._mine
         if mine is None:
             return [float("nan")] * (2 * self.slots)
+        if isinstance(mine, list):
+            return mine
         values: list[float] = mine.cpu().tolist()
         return values
 

@@ -93,9 +93,7 @@ def _guard_raises(rank: int) -> dict[str, Any]:
     x = _data(rank, 0)
     splits = [ROWS] * WORLD
     try:
-        qcomm.all_to_all_sequence(
-            x, input_splits=splits, output_splits=splits, codecs=pair
-        ).wait()
+        qcomm.all_to_all_sequence(x, input_splits=splits, output_splits=splits, codecs=pair).wait()
         said = None
     except qcomm.CodecError as err:
         said = str(err)
@@ -245,11 +243,14 @@ def test_ranks_given_different_adaptive_codecs_raise_on_the_first_call(
 def test_a_plain_codecs_calls_are_recorded_unless_measuring_is_off(
     results: list[dict[str, Any]],
 ) -> None:
-    for rank, r in enumerate(results):
+    for r in results:
         measured, off = r["plain"]["records"]
         assert measured.codec == "int8" and measured.collective == "reduce_scatter_pooled forward"
         assert all(0 < e < 0.02 for e in measured.errors), measured
         assert measured.errors == results[0]["plain"]["records"][0].errors
         # Each rank sends two blocks of ROWS x DIM: int8 makes 40 bytes of 32 values.
-        assert (measured.wire_bytes, measured.data_bytes) == (2 * ROWS * DIM * 40 // 32, 2 * ROWS * DIM * 4)
+        assert (measured.wire_bytes, measured.data_bytes) == (
+            2 * ROWS * DIM * 40 // 32,
+            2 * ROWS * DIM * 4,
+        )
         assert all(math.isnan(e) for e in off.errors), off

@@ -21,7 +21,7 @@ def _record(codec: str = "int8") -> CallRecord:
 def _learn(codec: AdaptiveCodec, errors: list[list[float]], key: str = "c") -> int:
     """One call's figures (``errors[rank][candidate]``); the next call's candidate."""
     used = codec.current(key)
-    codec.learn(key, None, used, torch.tensor(errors, dtype=torch.float64), _record())
+    codec.learn(key, None, used, errors, _record())
     return codec.current(key)
 
 
@@ -168,7 +168,7 @@ def test_a_guard_with_on_exceed_raise_returns_the_error_naming_collective_rank_a
         "all_to_all_pooled forward",
         None,
         used,
-        torch.tensor([[0.001], [0.002], [0.04]], dtype=torch.float64),
+        [[0.001], [0.002], [0.04]],
         _record(),
     )
     assert isinstance(error, qcomm.CodecError)
@@ -202,7 +202,7 @@ def test_the_sample_is_measured_on_whole_scale_blocks_as_the_call_encodes_them()
     x = torch.randn(64, 96)
     x[5, 3] = 1e4  # one row's scale, and only that row's, is wrecked
     whole = int8.decode(int8.encode(x.reshape(-1))).reshape(64, 96)
-    rms, top = _measure._error(int8, x.reshape(-1), torch.float32).tolist()
+    rms, top = _measure._error(int8, x.reshape(-1), torch.float32)
     lost = whole - x
     assert rms == pytest.approx(float(lost.norm() / x.norm()), rel=1e-5)
     assert top == pytest.approx(float(lost.abs().max() / x.abs().max()), rel=1e-5)
@@ -210,7 +210,7 @@ def test_the_sample_is_measured_on_whole_scale_blocks_as_the_call_encodes_them()
 
 def test_an_underflowing_codec_measures_a_relative_error_of_one() -> None:
     fp16 = qcomm.load_codec("fp16")
-    rms, top = _measure._error(fp16, torch.randn(1000) * 1e-9, torch.float32).tolist()
+    rms, top = _measure._error(fp16, torch.randn(1000) * 1e-9, torch.float32)
     assert rms == pytest.approx(1.0) and top == pytest.approx(1.0)
 
 
@@ -218,12 +218,43 @@ def test_a_saturating_codec_measures_its_loss_and_nonfinite_inputs_are_left_out(
     fp16 = qcomm.load_codec("fp16")
     x = torch.ones(100)
     x[0] = 1e6  # fp16 saturates at 65504: most of this value is lost
-    rms = _measure._error(fp16, x, torch.float32)[0].item()
+    rms = _measure._error(fp16, x, torch.float32)[0]
     assert rms == pytest.approx((1e6 - 65504) / math.sqrt(1e12 + 99), rel=1e-3)
     x[0] = math.nan
-    assert _measure._error(fp16, x, torch.float32)[0].item() == 0.0
+    assert _measure._error(fp16, x, torch.float32)[0] == 0.0
 
 
 def test_an_all_zero_sample_measures_no_error() -> None:
     mx4 = qcomm.load_codec("mx4")
-    assert _measure._error(mx4, torch.zeros(64), torch.float32).tolist() == [0.0, 0.0]
+    assert _measure._error(mx4, torch.zeros(64), torch.float32) == [0.0, 0.0]
+
+
+def test_a_registry_wide_budget_guards_every_codec_without_one_of_its_own() -> None:
+    registry = qcomm.build_registry(
+        "pooled_embeddings_all_to_all=int8/adaptive:fp16|bf16,"
+        "pooled_embeddings_reduce_scatter=adaptive:mx4|int8,max_error=0.2/noop",
+        max_error=0.01,
+        on_exceed="raise",
+    )
+    pooled = registry["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    assert isinstance(pooled.forward, AdaptiveCodec)
+    assert (pooled.forward.names, pooled.forward.max_error) == (("int8",), 0.01)
+    assert pooled.forward.on_exceed == "raise"
+    assert (pooled.backward.names, pooled.backward.max_error) == (("fp16", "bf16"), 0.01)
+    scatter = registry["POOLED_EMBEDDINGS_REDUCE_SCATTER"]
+    assert scatter.forward.max_error == 0.2  # its own budget stays
+    assert isinstance(scatter.backward, qcomm.NoOpQuantizedCommCodec)
+
+
+def test_a_registry_wide_budget_reaches_codecs_by_host_and_is_checked() -> None:
+    registry = qcomm.build_registry(
+        {"POOLED_EMBEDDINGS_ALL_TO_ALL": "same_host=noop+other_host=int8/bf16"}, max_error=0.05
+    )
+    pair = registry["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    assert isinstance(pair, qcomm.HostCodecs)
+    assert isinstance(pair.same_host.forward, qcomm.NoOpQuantizedCommCodec)
+    assert pair.other_host.backward.names == ("bf16",)
+    with pytest.raises(qcomm.CodecError, match="max_error"):
+        qcomm.build_registry(forward="int8", max_error=-1.0)
+    with pytest.raises(qcomm.CodecError, match="on_exceed is given without max_error"):
+        qcomm.build_registry(forward="int8", on_exceed="raise")
