@@ -83,5 +83,6 @@ def format_settled(rows: Iterable[Any]) -> list[str]:
             )
             shown = ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares)
             switches = (row.switches or {}).get(collective, 0)
-            lines.append(f"  {collective}: {codec} ({shown}; {switches} switches)")
+            plural = "" if switches == 1 else "es"
+            lines.append(f"  {collective}: {codec} ({shown}; {switches} switch{plural})")
     return lines
