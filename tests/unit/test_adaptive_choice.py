@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -275,3 +276,31 @@ def test_the_collective_bench_refuses_budgets_and_adaptive_codecs(spec: str) -> 
 
     with pytest.raises(qcomm.CodecError, match="qcomm bench --train"):
         check_spec(spec)
+
+
+def test_a_stochastic_codec_is_measured_without_moving_the_users_random_stream() -> None:
+    codec = qcomm.load_codec("mx4:rounding=stochastic")
+    assert qcomm.codec_info(codec).stochastic
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    rms, _ = _measure._error(codec, torch.randn(4096, generator=torch.Generator()), torch.float32)
+    assert 0 < rms < 0.2
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_stateful_codec_is_not_measured() -> None:
+    from qcomm.collectives._coding import Coding, Side
+
+    int8 = qcomm.load_codec("int8")
+
+    class Stateful:
+        info = qcomm.CodecInfo("stateful", 10.0, stateful=True)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(int8, name)
+
+    codec = Stateful()
+    side = Side(codec, 0, Coding(codec, torch.float32))
+    assert not _measure.measured(side) and _measure.slots_of(side) == 0
+    assert _measure.slots_of(Side(int8, 0, Coding(int8, torch.float32))) == 1
