@@ -30,11 +30,11 @@ from qcomm.history import CallLog, CallRecord
 
 __all__ = ["DEFAULT_MAX_ERROR", "DEFAULT_WINDOW", "ON_EXCEED", "AdaptiveCodec"]
 
-#: The default error budget: a relative RMS error (that of ``qcomm bench``'s advice).
+#: the default error budget, a relative RMS error (that of ``qcomm bench``'s advice)
 DEFAULT_MAX_ERROR = 3e-2
-#: The default number of calls a cheaper candidate must stay within budget before it is taken.
+#: calls a cheaper candidate must stay within budget before it is taken, by default
 DEFAULT_WINDOW = 8
-#: What a call over budget does where no candidate is left to switch to.
+#: what a call over budget may do where no candidate is left to switch to
 ON_EXCEED = ("warn", "raise")
 
 _log = logging.getLogger("qcomm.adaptive")
@@ -74,10 +74,10 @@ class AdaptiveCodec:
     Args:
         candidates (Sequence[QuantizedCommCodec]): the codecs, cheapest first.
         max_error (float, optional): the budget, a relative RMS error.
-            Default: ``None`` (:data:`DEFAULT_MAX_ERROR`, or a registry-wide
+            Default: ``None`` (:data:`~qcomm.adaptive.DEFAULT_MAX_ERROR`, or a registry-wide
             budget of :func:`~qcomm.build_registry`).
         window (int, optional): calls a cheaper candidate must stay within
-            budget before it is taken. Default: :data:`DEFAULT_WINDOW`.
+            budget before it is taken. Default: :data:`~qcomm.adaptive.DEFAULT_WINDOW`.
         on_exceed (str, optional): ``"warn"`` or ``"raise"``. Default: ``"warn"``.
 
     Raises:
@@ -180,7 +180,7 @@ class AdaptiveCodec:
             collective (str): the collective and pass.
 
         Returns:
-            int: an index into :attr:`candidates`.
+            int: an index into the candidates.
         """
         with self._lock:
             state = self._state(collective)
@@ -200,7 +200,17 @@ class AdaptiveCodec:
         return state
 
     def began(self, collective: str, finish: Callable[[], None]) -> None:
-        """Notes a call of ``collective`` whose errors ``finish`` (idempotent) records."""
+        r"""
+        began(collective: str, finish: Callable[[], None]) -> None
+
+        Notes a call of ``collective`` not finished yet: the next call of it
+        runs ``finish`` (which waits for the call and gives its figures to
+        :meth:`learn`, once) before it chooses.
+
+        Args:
+            collective (str): the collective and pass.
+            finish (Callable[[], None]): finishes the call; idempotent.
+        """
         with self._lock:
             self._state(collective).pending.append(finish)
 
@@ -213,11 +223,23 @@ class AdaptiveCodec:
         record: CallRecord,
     ) -> CodecError | None:
         r"""
-        Takes one call's figures: ``errors[rank][candidate]`` are the relative
-        RMS errors every rank measured (NaN: not measured); ``used``, the
-        candidate the call used. Sets the next call's choice; returns the
-        error to raise where the call is over budget with no candidate left
-        and ``on_exceed`` is ``"raise"``.
+        learn(collective: str, finish: Callable[[], None] | None, used: int, errors: Sequence[Sequence[float]], record: CallRecord) -> CodecError | None
+
+        Takes one call's figures and sets the next call's choice.
+
+        Args:
+            collective (str): the collective and pass.
+            finish (Callable[[], None], optional): what :meth:`began` was given
+                for the call, no longer pending.
+            used (int): the candidate the call used.
+            errors (Sequence[Sequence[float]]): ``errors[rank][candidate]``,
+                the relative RMS errors every rank measured (NaN: not measured).
+            record (CallRecord): the call's record, kept in :attr:`log` with
+                the candidates' errors and the switch, if any.
+
+        Returns:
+            CodecError | None: the error to raise where the call is over budget
+            with no candidate left and ``on_exceed`` is ``"raise"``.
         """
         with self._lock:
             state = self._state(collective)
@@ -261,7 +283,15 @@ class AdaptiveCodec:
         return None
 
     def learn_nothing(self, collective: str, finish: Callable[[], None]) -> None:
-        """Forgets a call of ``collective`` that failed: it has no figures."""
+        r"""
+        learn_nothing(collective: str, finish: Callable[[], None]) -> None
+
+        Forgets a call of ``collective`` that failed: it has no figures.
+
+        Args:
+            collective (str): the collective and pass.
+            finish (Callable[[], None]): what :meth:`began` was given for the call.
+        """
         with self._lock:
             pending = self._state(collective).pending
             if finish in pending:
@@ -275,7 +305,11 @@ class AdaptiveCodec:
 
     @property
     def quantized_dtype(self) -> torch.dtype:
-        """The first candidate's wire dtype (the one in use changes call by call)."""
+        r"""
+        quantized_dtype() -> torch.dtype
+
+        The first candidate's wire dtype (the one in use changes call by call).
+        """
         from qcomm.collectives._wire import wire_dtype
 
         dtype: torch.dtype = wire_dtype(self.candidates[0])

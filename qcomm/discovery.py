@@ -21,7 +21,7 @@ from stevedore.extension import error_on_conflict
 
 from qcomm import config
 from qcomm.errors import CodecError
-from qcomm.specs import parse_codec_spec
+from qcomm.specs import ADAPTIVE, parse_codec_spec
 
 if TYPE_CHECKING:  # loading a codec imports torch; listing codecs must not
     from qcomm.types import QuantizedCommCodec
@@ -340,8 +340,6 @@ def load_codec(spec: str, **options: Any) -> QuantizedCommCodec:
         raise CodecError(f"codec spec {spec!r}: {err}") from err
 
 
-#: The name of the adaptive codec in a spec (``adaptive:a|b|...``).
-ADAPTIVE = "adaptive"
 # The options of a budget, on any codec; an adaptive codec also takes window.
 _GUARD_KEYS = ("max_error", "on_exceed")
 _ADAPTIVE_KEYS = ("max_error", "on_exceed", "window")

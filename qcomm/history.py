@@ -58,30 +58,61 @@ class CallRecord(NamedTuple):
 
     @property
     def worst(self) -> float:
-        """The largest relative RMS error over the ranks (NaN where none measured)."""
+        r"""
+        worst() -> float
+
+        The largest relative RMS error over the ranks (NaN where none measured).
+        """
         measured = [e for e in self.errors if not math.isnan(e)]
         return max(measured) if measured else math.nan
 
 
 class CallLog:
-    """The records of one codec's calls, at most :data:`HISTORY_LENGTH`, oldest first."""
+    r"""
+    The records of one codec's calls, at most :data:`HISTORY_LENGTH`, oldest
+    first; safe to use from several threads.
+
+    Examples::
+
+        >>> log = CallLog()
+        >>> log.records()
+        []
+    """
 
     def __init__(self) -> None:
         self._records: deque[CallRecord] = deque(maxlen=HISTORY_LENGTH)
         self._lock = threading.Lock()
 
     def add(self, record: CallRecord) -> None:
-        """Keeps ``record``, numbered in the order of this process's records."""
+        r"""
+        add(record: CallRecord) -> None
+
+        Keeps ``record``, numbered in the order of this process's records.
+
+        Args:
+            record (CallRecord): one call.
+        """
         with self._lock:
             self._records.append(record._replace(order=next(_order)))
 
     def records(self) -> list[CallRecord]:
-        """The records kept, oldest first."""
+        r"""
+        records() -> list[CallRecord]
+
+        The records kept.
+
+        Returns:
+            list[CallRecord]: oldest first.
+        """
         with self._lock:
             return list(self._records)
 
     def clear(self) -> None:
-        """Forgets every record."""
+        r"""
+        clear() -> None
+
+        Forgets every record.
+        """
         with self._lock:
             self._records.clear()
 
@@ -92,7 +123,17 @@ _logs_lock = threading.Lock()
 
 
 def log_of(codec: Any) -> CallLog | None:
-    """The log of ``codec``'s calls, made on first use (``None``: it cannot be weakly referenced)."""
+    r"""
+    log_of(codec: Any) -> CallLog | None
+
+    The log of ``codec``'s calls, made on first use.
+
+    Args:
+        codec (Any): a codec (an adaptive codec's own log is its ``log``).
+
+    Returns:
+        CallLog | None: its log, or ``None`` where it cannot be weakly referenced.
+    """
     own = getattr(codec, "log", None)
     if isinstance(own, CallLog):
         return own

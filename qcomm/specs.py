@@ -19,6 +19,8 @@ __all__ = [
     "split_codec_specs",
 ]
 
+#: The name of the adaptive codec in a spec (``adaptive:a|b|...``, see :doc:`adaptive`).
+ADAPTIVE = "adaptive"
 #: The parts of a codecs-by-host spec (see :func:`parse_host_spec`).
 HOST_KEYS = ("same_host", "other_host", "ranks_per_host")
 

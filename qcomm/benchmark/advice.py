@@ -24,6 +24,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from qcomm import adaptive
 from qcomm.benchmark.metrics import predicted_time, relative_spread
 from qcomm.benchmark.options import LossGap
 from qcomm.benchmark.results import (
@@ -68,11 +69,11 @@ __all__ = [
 
 #: the link rates (Gbit/s each way) advised for when the run names none
 ADVICE_RATES = [1.0, 10.0, 100.0]
-#: the default error budget (an RMS error relative to the data's RMS); the
-#: training example finds no significant loss gap for the codecs under it
-#: (fp16, bf16, int8, fp8_e4m3; over 10 seeds for the first three), and one
-#: for mx4, far over it
-DEFAULT_MAX_ERROR = 3e-2
+#: the default error budget (an RMS error relative to the data's RMS; an
+#: adaptive codec's too); the training example finds no significant loss gap
+#: for the codecs under it (fp16, bf16, int8, fp8_e4m3; over 10 seeds for the
+#: first three), and one for mx4, far over it
+DEFAULT_MAX_ERROR = adaptive.DEFAULT_MAX_ERROR
 #: a speed-up over the no-op codec this far above the codec's compression
 #: ratio cannot come from its bytes: it is the run's noise
 NOISE_MARGIN = 1.05

@@ -15,7 +15,14 @@ from typing import Any
 
 from qcomm.errors import CodecError
 from qcomm.ops import CommOp
-from qcomm.specs import parse_codec_spec, parse_host_spec, parse_pair_spec, split_codec_specs
+from qcomm.specs import (
+    ADAPTIVE,
+    HOST_KEYS,
+    parse_codec_spec,
+    parse_host_spec,
+    parse_pair_spec,
+    split_codec_specs,
+)
 
 __all__ = [
     "LossGap",
@@ -265,12 +272,23 @@ def check_spec(spec: str) -> None:
         qcomm.errors.CodecError: 'other=int8' in 'same_host=noop+other=int8': expected same_host=<pair>, other_host=<pair> or ranks_per_host=<n>, joined by '+'
     """
     parts = parse_host_spec(spec)
-    if parts is None:
-        parse_codec_spec(spec)
-        return
-    for key in ("same_host", "other_host"):
-        for side in parse_pair_spec(str(parts.get(key, "noop")), key):
-            parse_codec_spec(side)
+    sides = [spec]
+    if parts is not None:
+        sides = [
+            s for key in _HOST_SIDES for s in parse_pair_spec(str(parts.get(key, "noop")), key)
+        ]
+    for side in sides:
+        adaptive = side.partition(":")[0].strip() == ADAPTIVE
+        if adaptive or {"max_error", "on_exceed"} & set(parse_codec_spec(side)[1]):
+            # The bench measures a codec's error on data of its own; a budget
+            # or an adaptive choice acts on a training's (qcomm bench --train).
+            raise CodecError(
+                f"{side!r}: a budget or an adaptive codec chooses on the data of a training, "
+                "not on the bench's; compare its candidates here, or run qcomm bench --train"
+            )
+
+
+_HOST_SIDES = HOST_KEYS[:2]
 
 
 def split_codec_list(text: str) -> list[str]:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from qcomm import config as qcomm_config
 from qcomm.benchmark.measure import build_series
 from qcomm.benchmark.options import BenchConfig
 from qcomm.benchmark.series import Case, Series, base_input, make_case, run_series
@@ -233,6 +234,11 @@ class PhaseProfile:
         calls (dict[str, float]): function calls per call, by phase.
         torchrec_s (float | None): TorchRec's ``alltoall_pooled`` without codecs (pooled only).
         bare_s (float | None): the bare point-to-point exchange of the same bytes.
+        unmeasured_s (float | None): seconds per call with the setting
+            ``measure_errors`` off (a codec that encodes), timed in rounds
+            alternating with ``call_s``'s.
+        measuring (tuple[float, ...]): per round, the measured call's time over
+            the unmeasured one's, less 1: what measuring the errors costs.
     """
 
     op: str
@@ -244,19 +250,40 @@ class PhaseProfile:
     calls: dict[str, float]
     torchrec_s: float | None = None
     bare_s: float | None = None
+    unmeasured_s: float | None = None
+    measuring: tuple[float, ...] = ()
 
 
 def _per_call(session: Session, series: Series, case: Case, calls: int, rounds: int) -> float:
     """The median over ``rounds`` of a block of ``calls`` calls, each after a barrier."""
-    samples = []
+    return statistics.median(_block(session, series, case, calls) for _ in range(rounds))
+
+
+def _block(session: Session, series: Series, case: Case, calls: int) -> float:
+    """Seconds per call of a block of ``calls`` calls, after a barrier."""
+    torch.distributed.barrier(group=session.work)
+    start = time.perf_counter()
+    for _ in range(calls):
+        run_series(series, case, session.work)
+    synchronize(session.device)
+    return (time.perf_counter() - start) / calls
+
+
+def _with_and_without_measuring(
+    session: Session, series: Series, case: Case, calls: int, rounds: int
+) -> tuple[float, float, tuple[float, ...]]:
+    """
+    The call timed with its errors measured and without, in alternating
+    rounds (the setting is read on each rank alone, so both ranks switch
+    together between blocks): both medians, and each round's cost of measuring.
+    """
+    measured, unmeasured = [], []
     for _ in range(rounds):
-        torch.distributed.barrier(group=session.work)
-        start = time.perf_counter()
-        for _ in range(calls):
-            run_series(series, case, session.work)
-        synchronize(session.device)
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+        measured.append(_block(session, series, case, calls))
+        with qcomm_config.configured(measure_errors=False):
+            unmeasured.append(_block(session, series, case, calls))
+    cost = tuple(m / u - 1 for m, u in zip(measured, unmeasured, strict=True))
+    return statistics.median(measured), statistics.median(unmeasured), cost
 
 
 def _calls_for(session: Session, series: Series, case: Case, budget: float) -> int:
@@ -302,7 +329,14 @@ def profile_rank(config: BenchConfig, session: Session) -> list[PhaseProfile]:
                     refs[name] = _per_call(session, line, case, n, config.rounds)
             for line in ours:
                 n = _calls_for(session, line, case, budget)
-                call_s = _per_call(session, line, case, n, config.rounds)
+                unmeasured: float | None = None
+                cost: tuple[float, ...] = ()
+                if line.codec == "noop":
+                    call_s = _per_call(session, line, case, n, config.rounds)
+                else:
+                    call_s, unmeasured, cost = _with_and_without_measuring(
+                        session, line, case, n, config.rounds
+                    )
                 torch.distributed.barrier(group=session.work)
                 with phases_timed() as clock:
                     start = time.perf_counter()
@@ -323,6 +357,8 @@ def profile_rank(config: BenchConfig, session: Session) -> list[PhaseProfile]:
                         calls={p: c / n for p, c in clock.calls.items()},
                         torchrec_s=refs.get("torchrec"),
                         bare_s=refs.get("bare"),
+                        unmeasured_s=unmeasured,
+                        measuring=cost,
                     )
                 )
     return out
@@ -375,6 +411,15 @@ def format_profiles(ranks: list[list[PhaseProfile]], transport: str) -> str:
             f"  {'profiled call':22} {profiled * 1e6:8.1f}   (unprofiled "
             f"{statistics.fmean(p.call_s for p in mine) * 1e6:.1f}: the rest is the wrappers' cost)"
         )
+        if first.measuring:
+            # Every rank's rounds: the ranks wait for each other, so each
+            # round's cost is the slowest rank's.
+            costs = [max(r) for r in zip(*(p.measuring for p in mine), strict=True)]
+            lines.append(
+                f"  {'measuring the errors':22} costs {statistics.median(costs):+.1%} of the call "
+                f"unmeasured (rounds {min(costs):+.1%} to {max(costs):+.1%}; "
+                "QCOMM_MEASURE_ERRORS=0 leaves it out)"
+            )
         lines.append("")
     return "\n".join(lines)
 

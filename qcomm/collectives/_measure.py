@@ -37,8 +37,13 @@ SAMPLE = 4096
 
 
 def measured(side: Side) -> bool:
-    """Whether a call measures ``side``: it encodes (adaptive codecs always do)."""
-    return isinstance(side.codec, AdaptiveCodec) or not side.coding.identity
+    """
+    Whether a call measures ``side``: it encodes (adaptive codecs always do),
+    and keeps no state across calls (encoding a sample again would change it).
+    """
+    if isinstance(side.codec, AdaptiveCodec):
+        return True
+    return not side.coding.identity and not codec_info(side.codec).stateful
 
 
 def slots_of(side: Side) -> int:
@@ -197,8 +202,14 @@ def _error(
         return [0.0, 0.0]
     x = encodable(sample, codec)
     try:
-        ctx = codec.create_context()
-        decoded = codec.decode(codec.encode(x, ctx), ctx).reshape(-1)[: x.numel()]
+        if codec_info(codec).stochastic:
+            # Its draws must not move the user's random stream: the sample
+            # is rounded with draws of its own (an estimate of the call's).
+            devices = [sample.device] if sample.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                decoded = _round_trip(codec, x)
+        else:
+            decoded = _round_trip(codec, x)
     except Exception:  # noqa: BLE001 - the call itself says what is wrong with the codec
         return [math.nan, math.nan]
     if x.device.type == "cpu":
@@ -211,6 +222,13 @@ def _error(
         if math.isfinite(norm + norm_lost + top + top_lost):
             return [_divide(norm_lost, norm), _divide(top_lost, top)]
     return _careful(x.float(), decoded)
+
+
+def _round_trip(codec: Any, x: torch.Tensor) -> torch.Tensor:
+    """What the receivers decode of ``x`` (1-D)."""
+    ctx = codec.create_context()
+    out: torch.Tensor = codec.decode(codec.encode(x, ctx), ctx)
+    return out.reshape(-1)[: x.numel()]
 
 
 def _divide(lost: float, scale: float) -> float:
