@@ -30,7 +30,7 @@ def settled(
     codec's share of its calls, and its switches.
 
     Args:
-        records (Iterable[CallRecord]): the registry's calls, oldest first
+        records (Iterable[qcomm.CallRecord]): the registry's calls, oldest first
             (:func:`~qcomm.error_history`).
 
     Returns:
