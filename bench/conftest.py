@@ -48,7 +48,30 @@ def _ratio(base: float, ours: float) -> str:
     return f"{base / ours:6.2f}x" if ours > 0 and math.isfinite(base) else "   n/a"
 
 
+@pytest.fixture(scope="session")
+def bench_measuring(request: pytest.FixtureRequest) -> dict[tuple[str, str], float]:
+    """Where bench_measure records its medians: (codec, "measure" or "call") -> seconds."""
+    return request.config.stash.setdefault(_MEASURING, {})
+
+
+_MEASURING = pytest.StashKey[dict[tuple[str, str], float]]()
+
+
+def _measuring_summary(tr: Any, times: dict[tuple[str, str], float]) -> None:
+    names = [c for c, what in times if what == "measure" and (c, "call") in times]
+    if not names:
+        return
+    tr.section("measuring a call's error, beside encoding and decoding a 1 MiB call (medians)")
+    for name in names:
+        measure, call = times[(name, "measure")], times[(name, "call")]
+        tr.write_line(
+            f"{name:<10} measure {measure * 1e6:7.1f} us   1 MiB encode+decode "
+            f"{call * 1e6:8.1f} us   ({measure / call:.1%})"
+        )
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    _measuring_summary(terminalreporter, config.stash.get(_MEASURING, {}))
     results = config.stash.get(_RESULTS, {})
     if not results:
         return

@@ -15,6 +15,17 @@ must pad), so both pooled collectives carry quantized traffic, forward and
 backward. The synthetic target puts most of its signal in the embeddings, so
 that what a codec does to them shows.
 
+The ``adaptive`` configuration puts ``adaptive:mx4|int8|bf16`` (a
+``qcomm.AdaptiveCodec`` at the default error budget) on both embedding
+collectives, forward and backward: each call measures the relative RMS error
+of every candidate on a sample of what it sends, and the next call takes the
+cheapest one that stayed within budget on every rank over the last calls.
+After each seed's training (and held-out evaluation), rank 0 reads
+``qcomm.error_history`` of the registry: per collective and pass (e.g.
+``all_to_all_pooled forward``), how many calls each codec carried, the
+switches, the last call's codec, and each candidate's measured error. The
+table is followed by each codec's share of the calls over all seeds.
+
 The ``dense-*`` configurations keep the embeddings in float32 and put qcomm's
 DDP communication hook (``qcomm.ddp_comm_hook``) on the dense part, which
 ``DistributedModelParallel`` wraps in ``DistributedDataParallel``: its
@@ -45,7 +56,12 @@ Writes, under ``--out``:
 - ``results.json``: the arguments, every configuration's codecs, and
   per seed the per-step training loss, final training loss (mean of the last
   50 steps), held-out loss and their gaps to float32; per configuration the
-  mean gaps, their 95% confidence intervals and wall time.
+  mean gaps, their 95% confidence intervals and wall time. An adaptive
+  configuration's seeds have ``codecs_used`` (per collective and pass: its
+  ``calls``, the calls per codec, the ``last`` call's codec, the
+  ``switches`` as [call number, codec taken], and per candidate the median
+  and largest of its measured error, the worst rank's), and its summary the
+  seeds' together with each codec's ``shares`` of the calls.
 
 and prints the gaps as a table.
 """
@@ -84,6 +100,7 @@ class Config:
 # The reduce-scatter takes only summable codecs, so the scaled formats ride
 # the all-to-all and a 16-bit cast carries the reduce-scatter.
 A2A, RS = "pooled_embeddings_all_to_all", "pooled_embeddings_reduce_scatter"
+ADAPTIVE = "adaptive:mx4|int8|bf16"
 CONFIGS: dict[str, Config] = {
     "fp32": Config(),
     "fp16": Config(f"{A2A}=fp16/fp16,{RS}=fp16/fp16"),
@@ -91,6 +108,10 @@ CONFIGS: dict[str, Config] = {
     "int8": Config(f"{A2A}=int8/int8,{RS}=fp16/fp16"),
     "fp8": Config(f"{A2A}=fp8_e4m3/fp8_e5m2,{RS}=fp16/fp16"),
     "mx4": Config(f"{A2A}=mx4/mx4,{RS}=bf16/bf16"),
+    # Each call's codec chosen by the error it measures, within the default
+    # budget; qcomm's exchange sums the reduce-scatter in float32, so MX4 and
+    # int8 may ride it too.
+    "adaptive": Config(f"{A2A}={ADAPTIVE},{RS}={ADAPTIVE}"),
     "dense-int8+ef": Config(dense="int8", error_feedback=True),
     "dense-mx4+ef": Config(dense="mx4", error_feedback=True),
     "dense-mx4": Config(dense="mx4"),
@@ -197,11 +218,14 @@ def make_sharder(registry: dict[str, qcomm.QuantizedCommCodecs] | None, lr: floa
 
 
 def build_model(
-    config: Config, args: argparse.Namespace, seed: int
+    config: Config,
+    registry: dict[str, qcomm.QuantizedCommCodecs] | None,
+    args: argparse.Namespace,
+    seed: int,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The sharded DLRM with the same initial weights on every call, the
-    configuration's codecs, and the optimizer of its dense part (the tables'
-    optimizer is fused into them)."""
+    embedding collectives' ``registry``, the configuration's dense hook, and
+    the optimizer of its dense part (the tables' optimizer is fused into them)."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
@@ -214,7 +238,6 @@ def build_model(
     from torchrec.models.dlrm import DLRM
 
     world = dist.get_world_size()
-    registry = qcomm.build_registry(config.registry) if config.registry else None
     torch.manual_seed(seed)  # the dense layers' initial weights
     configs = [
         EmbeddingBagConfig(
@@ -271,11 +294,54 @@ def build_model(
     return dmp, torch.optim.Adam(dense, lr=args.dense_lr)
 
 
+def codecs_used(registry: dict[str, qcomm.QuantizedCommCodecs]) -> dict[str, dict[str, Any]]:
+    """Per collective and pass of ``registry``'s adaptive codecs (e.g.
+    ``"all_to_all_pooled forward"``): its calls, how many each codec
+    carried, the codec of the last call, the switches (call number and the
+    codec taken from the next call on), and per candidate the median and the
+    largest over calls of its relative RMS error (the worst rank's),
+    measured on every call whichever codec carried it."""
+    out: dict[str, dict[str, Any]] = {}
+    codecs = {id(c): c for p in registry.values() for c in (p.forward, p.backward)}
+    for codec in codecs.values():
+        if not isinstance(codec, qcomm.AdaptiveCodec):
+            continue
+        for r in qcomm.error_history(codec):
+            row = out.setdefault(
+                r.collective,
+                {"calls": 0, "codecs": {}, "last": None, "switches": [], "errors": {}},
+            )
+            row["calls"] += 1
+            row["codecs"][r.codec] = row["codecs"].get(r.codec, 0) + 1
+            row["last"] = r.codec
+            if r.switched_to is not None:
+                row["switches"].append([r.number, r.switched_to])
+            for name, error in zip(codec.names, r.candidates):
+                if not math.isnan(error):
+                    row["errors"].setdefault(name, []).append(error)
+    for row in out.values():
+        row["errors"] = {name: _median_max(v) for name, v in row["errors"].items()}
+    return out
+
+
+def _median_max(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"median": ordered[len(ordered) // 2], "max": ordered[-1]}
+
+
+def adaptive(registry: dict[str, qcomm.QuantizedCommCodecs] | None) -> bool:
+    """Whether a codec of ``registry`` is chosen call by call (or guarded)."""
+    pairs = (registry or {}).values()
+    return any(isinstance(c, qcomm.AdaptiveCodec) for p in pairs for c in (p.forward, p.backward))
+
+
 def train(config: Config, data: Data, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """One configuration: the loss of every step (mean over ranks) and the
-    held-out loss after training."""
+    """One configuration: the loss of every step (mean over ranks), the
+    held-out loss after training and, for an adaptive registry, the codecs
+    its calls used (training and held-out alike; every rank chose alike)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt = build_model(config, args, seed)
+    registry = qcomm.build_registry(config.registry) if config.registry else None
+    model, opt = build_model(config, registry, args, seed)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     b = args.batch_size
     losses = []
@@ -298,8 +364,10 @@ def train(config: Config, data: Data, args: argparse.Namespace, seed: int) -> di
             dense, kjt, labels = batch(data, lo, lo + b)
             held_out += loss_fn(model(dense, kjt).squeeze(1), labels)
     dist.all_reduce(held_out)
+    used = codecs_used(registry) if registry is not None and adaptive(registry) else None
     return {
         **dataclasses.asdict(config),
+        "codecs_used": used,
         "losses": losses,
         "final_train_loss": sum(losses[-TAIL:]) / len(losses[-TAIL:]),
         "held_out_loss": float(held_out) / (world * args.eval_batches),
@@ -382,8 +450,60 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             row[gap], row[gap + "_ci95"] = mean, None if math.isinf(half) else half
         half = row["held_out_gap_ci95"]
         row["significant"] = half is not None and abs(row["held_out_gap"]) > half
+        used = [r["codecs_used"] for r in seeds if r.get("codecs_used")]
+        if used:
+            row["codecs_used"] = merge_codecs_used(used)
         out[name] = row
     return out
+
+
+def merge_codecs_used(seeds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The seeds' :func:`codecs_used` together: per collective and pass, the
+    calls, each codec's share of them, the switches, the last call's codec
+    per seed, and per candidate the median of the seeds' median errors and
+    the largest error."""
+    out: dict[str, dict[str, Any]] = {}
+    for used in seeds:
+        for collective, row in used.items():
+            into = out.setdefault(
+                collective, {"calls": 0, "codecs": {}, "switches": 0, "last": [], "errors": {}}
+            )
+            into["calls"] += row["calls"]
+            for codec, calls in row["codecs"].items():
+                into["codecs"][codec] = into["codecs"].get(codec, 0) + calls
+            into["switches"] += len(row["switches"])
+            into["last"].append(row["last"])
+            for name, error in row["errors"].items():
+                into["errors"].setdefault(name, []).append(error)
+    for row in out.values():
+        row["shares"] = {codec: calls / row["calls"] for codec, calls in row["codecs"].items()}
+        row["errors"] = {
+            name: {
+                "median": _median_max([e["median"] for e in errors])["median"],
+                "max": max(e["max"] for e in errors),
+            }
+            for name, errors in row["errors"].items()
+        }
+    return out
+
+
+def format_codecs_used(name: str, used: dict[str, dict[str, Any]]) -> list[str]:
+    """The printed lines of a configuration's codecs per collective and pass."""
+    lines = []
+    for collective, row in sorted(used.items()):
+        shares = ", ".join(
+            f"{codec} {100 * share:.0f}%"
+            for codec, share in sorted(row["shares"].items(), key=lambda item: -item[1])
+        )
+        last = ", ".join(sorted(set(row["last"])))
+        errors = ", ".join(
+            f"{codec} {e['median']:.3g} ({e['max']:.3g})" for codec, e in row["errors"].items()
+        )
+        lines.append(
+            f"  {name}  {collective}: {shares} of {row['calls']} calls; {row['switches']} "
+            f"switches; last call: {last}; errors {errors}"
+        )
+    return lines
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -511,6 +631,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"seed(s); significant: the 95% interval leaves out 0"
     )
     print(f"teacher's own loss (best possible): {results['bayes_loss']:.4f}")
+    used = [(n, r["codecs_used"]) for n, r in results["summary"].items() if "codecs_used" in r]
+    if used:
+        print(
+            "codecs per call, all seeds: each codec's share of the calls, the switches, the "
+            "last call's codec; each candidate's relative RMS error (worst rank), median over "
+            "calls (largest):"
+        )
+        for name, row in used:
+            print("\n".join(format_codecs_used(name, row)))
     print(f"total {results['total_seconds']:.0f} s; wrote {args.out}/loss_curves.png, results.json")
     return results
 

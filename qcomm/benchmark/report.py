@@ -36,6 +36,7 @@ from qcomm.benchmark.results import (
     train_rows,
 )
 from qcomm.benchmark.rows import CodecRow, DlrmRow, MlpRow, Point, TrainRow, units
+from qcomm.benchmark.train_adaptive import format_settled
 
 __all__ = [
     "TRAIN_MLP_UNITS",
@@ -677,6 +678,8 @@ def format_train_report(results: Results | Mapping[str, Any]) -> str:
     lines = _train_what(results, train)
     fsdp = isinstance(train, MlpTrain) and train.model.name == "fsdp"
     lines += [_train_table(rows, isinstance(train, MlpTrain), fsdp), ""]
+    if isinstance(train, DlrmTrain):
+        lines += format_settled(train.series)
     lines += _train_legend(train)
     lines += _load_line(results.meta)
     wide = [r.label for r in rows if r.status == "ok" and (r.spread or 0.0) > SPREAD_WARNING]

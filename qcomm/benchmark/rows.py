@@ -331,6 +331,17 @@ class DlrmRow(TrainRow):
     pipelined_modules: int | None = column(
         "sharded modules whose input distribution TorchRec's pipeline took over"
     )
+    settled: dict[str, str] | None = column(
+        "an adaptive series: the codec of the last call of each collective and pass (e.g. "
+        "'all_to_all_pooled forward'), on rank 0; null for other series"
+    )
+    codec_shares: dict[str, dict[str, float]] | None = column(
+        "an adaptive series: each codec's share of the calls of each collective and pass, "
+        "warm-up included (summing to 1)"
+    )
+    switches: dict[str, int] | None = column(
+        "an adaptive series: the calls of each collective and pass after which the codec changed"
+    )
 
 
 @dataclasses.dataclass(kw_only=True)

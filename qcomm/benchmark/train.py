@@ -47,6 +47,7 @@ from qcomm.benchmark.options import TRAIN_WARM_UP_STEPS, BenchConfig
 from qcomm.benchmark.results import DlrmModel, DlrmTrain, TrainPick
 from qcomm.benchmark.rows import DlrmRow
 from qcomm.benchmark.session import Session
+from qcomm.benchmark.train_adaptive import ADAPTIVE, settled
 from qcomm.benchmark.train_plan import table_generators
 from qcomm.specs import parse_pair_spec, parse_registry_string
 from qcomm.types import CommOp
@@ -142,7 +143,7 @@ def train_series(config: BenchConfig) -> list[TrainSeries]:
 
     The series of a ``--train`` run, in the report's order (each round
     runs them in an order of its own, drawn from the seed): float32, TorchRec's codecs (left out with ``--no-fbgemm``), qcomm's
-    registries, qcomm's DDP hook on top of one, the advice's pick
+    registries (one of them :data:`~qcomm.benchmark.train_adaptive.ADAPTIVE`), qcomm's DDP hook on top of one, the advice's pick
     (:func:`advice_pick`), with ``--train-compile`` the compiled twins of
     float32 and of both int8/bf16 series, and the reference
     :data:`~qcomm.benchmark.harness.LOCAL`.
@@ -153,7 +154,7 @@ def train_series(config: BenchConfig) -> list[TrainSeries]:
     Examples::
 
         >>> [s.label for s in train_series(BenchConfig(train=True, fbgemm=False))]
-        ['fp32', 'qcomm fp16/fp16', 'qcomm int8/bf16', 'qcomm int8/bf16, TorchRec transport', 'qcomm fp16/fp16 + DDP int8', 'advice: no codec', 'one rank, no collective']
+        ['fp32', 'qcomm fp16/fp16', 'qcomm int8/bf16', 'qcomm adaptive:mx4|int8|bf16', 'qcomm int8/bf16, TorchRec transport', 'qcomm fp16/fp16 + DDP int8', 'advice: no codec', 'one rank, no collective']
     """
     series = [TrainSeries("fp32", "fp32")]
     if config.fbgemm:
@@ -163,6 +164,11 @@ def train_series(config: BenchConfig) -> list[TrainSeries]:
         TrainSeries(f"qcomm {p}", "qcomm", p, _qcomm_registry(p, p))
         for p in ("fp16/fp16", "int8/bf16")
     ]
+    # Each call's codec chosen by the errors the calls measure, on qcomm's
+    # exchange only (TorchRec's transport carries no status).
+    series.append(
+        TrainSeries(f"qcomm {ADAPTIVE}", "qcomm", ADAPTIVE, _qcomm_registry(ADAPTIVE, ADAPTIVE))
+    )
     # qcomm's codecs on TorchRec's transport, in TorchRec's formats (its
     # reduce-scatter cannot carry int8): against "torchrec int8/bf16", only
     # the codecs' code differs; against "qcomm int8/bf16", the transport.
@@ -395,11 +401,20 @@ def sharding_counts(config: BenchConfig) -> dict[str, int]:
     return counts
 
 
+def _series_registry(series: TrainSeries) -> Any:
+    # The series' codecs: TorchRec's registry, qcomm's, or None.
+    if series.kind == "torchrec":
+        return _torchrec_registry(str(series.pair))
+    if series.registry is not None:
+        return qcomm.build_registry(series.registry, allow_unsummable_reduce_scatter=True)
+    return None
+
+
 def _sharded_model(
-    series: TrainSeries, config: BenchConfig, group: Any, device: torch.device
+    series: TrainSeries, registry: Any, config: BenchConfig, group: Any, device: torch.device
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    # The series' DLRM under DistributedModelParallel on `group`, and the
-    # optimizer of its dense part (the tables' is fused into them).
+    # The series' DLRM with `registry` under DistributedModelParallel on
+    # `group`, and the optimizer of its dense part (the tables' is fused into them).
     from torch.nn.parallel import DistributedDataParallel
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -410,12 +425,6 @@ def _sharded_model(
     )
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
-    if series.kind == "torchrec":
-        registry = _torchrec_registry(str(series.pair))
-    elif series.registry is not None:
-        registry = qcomm.build_registry(series.registry, allow_unsummable_reduce_scatter=True)
-    else:
-        registry = None
     world = group.size()
     tables = config.train_tables
     ebc = EmbeddingBagCollection(tables=_table_configs(config), device=torch.device("meta"))
@@ -473,11 +482,19 @@ def _local_model(
     return model, torch.optim.SGD(dense, lr=LEARNING_RATE)
 
 
-def _build(session: Session, config: BenchConfig, run: Run, refused: str | None) -> None:
+def _build(
+    session: Session,
+    config: BenchConfig,
+    run: Run,
+    refused: str | None,
+    registries: dict[str, Any],
+) -> None:
+    # Builds the series into `run`, keeping its registry in `registries`.
     if run.series.unsummable_reduce_scatter and refused is not None:
         run.status = "skipped"
         run.error = (
-            "int8 on the reduce-scatter needs qcomm's exchange under TorchRec's collectives; "
+            f"{run.series.pair} on the reduce-scatter needs qcomm's exchange under TorchRec's "
+            "collectives; "
             f"TorchRec's own transport, which sums the wire, ran it here ({refused})"
         )
         return
@@ -485,9 +502,12 @@ def _build(session: Session, config: BenchConfig, run: Run, refused: str | None)
         built, problem = agreed_here(session, lambda: _local_model(config, session.device))
     else:
         group = series_group(session, config)
-        built, problem = agreed_here(
-            session, lambda: _sharded_model(run.series, config, group, session.device)
-        )
+
+        def sharded() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+            registry = registries[run.series.label] = _series_registry(run.series)
+            return _sharded_model(run.series, registry, config, group, session.device)
+
+        built, problem = agreed_here(session, sharded)
     if built is None:
         run.status, run.error = "failed", problem
     else:
@@ -547,10 +567,10 @@ def _eager_twin(row: DlrmRow, ok: dict[str, DlrmRow]) -> DlrmRow | None:
     return ok.get(row.label.removesuffix(", compiled"))
 
 
-# Models a rank of --train holds: a shard of each sharded series' model (8),
+# Models a rank of --train holds: a shard of each sharded series' model (9),
 # and the whole model of the reference series; the batches' activations and
 # gradients take a few dozen floats per sample and embedding column.
-_TRAIN_MODELS = 8
+_TRAIN_MODELS = 9
 _COMPILED_TWINS = 3
 _TRAIN_FLOATS_PER_ACTIVATION = 32
 
@@ -573,6 +593,8 @@ class Dlrm:
         # between any two steps.
         self.pipelines: dict[str, tuple[Any, Iterator[Any]]] = {}
         self.batches: list[Any] = []
+        # Each series' registry: an adaptive one's calls say where it settled.
+        self.registries: dict[str, Any] = {}
 
     def series(self, config: BenchConfig) -> list[TrainSeries]:
         r"""
@@ -635,7 +657,7 @@ class Dlrm:
             config (BenchConfig): the run's settings.
             run (Run): the series.
         """
-        _build(session, config, run, self.refused)
+        _build(session, config, run, self.refused, self.registries)
         # The reference has no sharded module for the pipeline to take over
         # (TorchRec's pipeline cannot trace it): it keeps the plain loop.
         if run.status == "ok" and config.train_loop == _PIPELINE and run.series.kind != "local":
@@ -670,7 +692,8 @@ class Dlrm:
         r"""
         results(config: BenchConfig, runs: list[Run], losses: dict[str, list[float]]) -> DlrmTrain
 
-        The model, the advice's pick, the reduce-scatter's route and the rows.
+        The model, the advice's pick, the reduce-scatter's route and the
+        rows; the adaptive series' with where its codecs settled.
 
         Args:
             config (BenchConfig): the run's settings.
@@ -698,6 +721,11 @@ class Dlrm:
             if row.label in self.pipelines:
                 counts = _pipeline_counts(self.pipelines[row.label][0])
                 row.pipelined_batches, row.pipelined_modules = counts
+        for row in rows:
+            if row.status == "ok" and row.pair == ADAPTIVE:
+                # Every rank chose alike from the same statuses: rank 0's calls say it.
+                history = qcomm.error_history(self.registries[row.label])
+                row.settled, row.codec_shares, row.switches = settled(history)
         for row, ratio in zip(rows, add_figures(rows, losses, "fp32", _torchrec_counterpart)):
             row.vs_torchrec = ratio
         ok = {r.label: r for r in rows if r.status == "ok"}

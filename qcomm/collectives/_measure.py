@@ -33,12 +33,20 @@ from qcomm.history import CallRecord, log_of
 from qcomm.types import CodecError, codec_info
 
 #: Elements sampled per codec and call (spread over its chunks, whole blocks).
-SAMPLE = 4096
+SAMPLE = 2048
+# The range of a sample's largest value within which its squares (and
+# their sum) stay normal float32 numbers; outside it, float64 (_careful).
+_SAFE = (1e-15, 1e15)
 
 
 def measured(side: Side) -> bool:
-    """Whether a call measures ``side``: it encodes (adaptive codecs always do)."""
-    return isinstance(side.codec, AdaptiveCodec) or not side.coding.identity
+    """
+    Whether a call measures ``side``: it encodes (adaptive codecs always do),
+    and keeps no state across calls (encoding a sample again would change it).
+    """
+    if isinstance(side.codec, AdaptiveCodec):
+        return True
+    return not side.coding.identity and not codec_info(side.codec).stateful
 
 
 def slots_of(side: Side) -> int:
@@ -197,20 +205,38 @@ def _error(
         return [0.0, 0.0]
     x = encodable(sample, codec)
     try:
-        ctx = codec.create_context()
-        decoded = codec.decode(codec.encode(x, ctx), ctx).reshape(-1)[: x.numel()]
+        if codec_info(codec).stochastic:
+            # Its draws must not move the user's random stream: the sample
+            # is rounded with draws of its own (an estimate of the call's).
+            devices = [sample.device] if sample.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                decoded = _round_trip(codec, x)
+        else:
+            decoded = _round_trip(codec, x)
     except Exception:  # noqa: BLE001 - the call itself says what is wrong with the codec
         return [math.nan, math.nan]
     if x.device.type == "cpu":
-        # numpy's operations cost a fraction of torch's on a sample this
-        # small; float64, as a square of a tiny float32 value is not a float32.
-        x64 = x.float().numpy().astype(numpy.float64)
-        lost = decoded.float().numpy() - x64
-        norm, norm_lost = math.sqrt(x64 @ x64), math.sqrt(lost @ lost)
-        top, top_lost = float(numpy.abs(x64).max()), float(numpy.abs(lost).max())
-        if math.isfinite(norm + norm_lost + top + top_lost):
-            return [_divide(norm_lost, norm), _divide(top_lost, top)]
+        # numpy's operations cost a fraction of torch's on a sample this small.
+        xs = x.numpy() if x.dtype == torch.float32 else x.float().numpy()
+        lost = (decoded if decoded.dtype == torch.float32 else decoded.float()).numpy() - xs
+        top, top_lost = float(numpy.abs(xs).max()), float(numpy.abs(lost).max())
+        if top == 0.0 and math.isfinite(top_lost):  # nothing sent but zeros
+            return [_divide(top_lost, top)] * 2
+        if _SAFE[0] < top < _SAFE[1] and math.isfinite(top_lost):
+            # In float32: no square overflows, and an error too small for its
+            # squares to count is far below any budget.
+            norm = math.sqrt(numpy.dot(xs, xs).item())
+            norm_lost = math.sqrt(numpy.dot(lost, lost).item())
+            if math.isfinite(norm + norm_lost):
+                return [_divide(norm_lost, norm), _divide(top_lost, top)]
     return _careful(x.float(), decoded)
+
+
+def _round_trip(codec: Any, x: torch.Tensor) -> torch.Tensor:
+    """What the receivers decode of ``x`` (1-D)."""
+    ctx = codec.create_context()
+    out: torch.Tensor = codec.decode(codec.encode(x, ctx), ctx)
+    return out.reshape(-1)[: x.numel()]
 
 
 def _divide(lost: float, scale: float) -> float:

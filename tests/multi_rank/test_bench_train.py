@@ -16,9 +16,11 @@ from bench_runs import LAUNCHER_VARS, bench_config, spawn_train
 import qcomm
 import qcomm.config
 from qcomm import CodecError
+from qcomm.adaptive import DEFAULT_WINDOW
 from qcomm.benchmark.harness import LOCAL
 from qcomm.benchmark.options import TRAIN_DEFAULTS, TRAIN_QUICK, TRAIN_WARM_UP_STEPS, BenchConfig
 from qcomm.benchmark.train import advice_pick, train_series
+from qcomm.benchmark.train_adaptive import ADAPTIVE
 from qcomm.cli import build_parser
 from qcomm.cli import main as cli_main
 
@@ -100,6 +102,42 @@ def test_smoke_run_has_every_series_with_its_figures(smoke, capfd):
     assert set(results["units"]) >= {"step_s", "speedup", "vs_torchrec", "comm_share", "loss"}
 
 
+def test_the_adaptive_series_says_where_it_settled(smoke):
+    # Its row ran on qcomm's exchange; rank 0's history of the registry's
+    # calls says, per collective and pass, the last call's codec (one of the
+    # candidates) and each codec's share of the calls.
+    config, _, results = smoke
+    rows = {r["label"]: r for r in results["train"]["series"]}
+    row = rows[f"qcomm {ADAPTIVE}"]
+    assert row["status"] == "ok", row["error"]
+    assert (row["kind"], row["pair"]) == ("qcomm", ADAPTIVE)
+    assert row["loss"] is not None and math.isfinite(row["loss"])
+    candidates = {"mx4", "int8", "bf16"}
+    # Both embedding collectives, forward and backward: a call of each per
+    # step (the mixed sharding: one table-wise, one row-wise).
+    collectives = {
+        f"{name} {direction}"
+        for name in ("all_to_all_pooled", "reduce_scatter_pooled")
+        for direction in ("forward", "backward")
+    }
+    assert set(row["settled"]) == set(row["codec_shares"]) == set(row["switches"]) == collectives
+    for collective, codec in row["settled"].items():
+        assert codec in candidates, (collective, codec)
+        shares = row["codec_shares"][collective]
+        assert set(shares) <= candidates and shares[codec] > 0
+        assert math.isclose(sum(shares.values()), 1.0), shares
+    # The quick run's few steps (one call of each per step) are fewer than
+    # the window a cheaper candidate needs: the most precise one, which
+    # carries the calls until then, carried them all.
+    assert config.train_steps < DEFAULT_WINDOW
+    assert set(row["settled"].values()) == {"bf16"}
+    assert all(shares == {"bf16": 1.0} for shares in row["codec_shares"].values())
+    assert set(row["switches"].values()) == {0}
+    # No other series has these figures.
+    others = [r for r in rows.values() if r["label"] != row["label"]]
+    assert all(r["settled"] is r["codec_shares"] is r["switches"] is None for r in others)
+
+
 def test_the_text_report_shows_every_series(smoke, plain, tmp_path, capsys):
     from qcomm.benchmark.report import format_train_report
 
@@ -115,6 +153,10 @@ def test_the_text_report_shows_every_series(smoke, plain, tmp_path, capsys):
             assert line.split()[-2] == "0"  # graph breaks, then x eager
         else:
             assert row["status"] in line
+    row = next(r for r in results["train"]["series"] if r["pair"] == ADAPTIVE)
+    assert f"{row['label']}: where each collective settled" in text
+    for collective, codec in row["settled"].items():
+        assert f"  {collective}: {codec} (" in text
     text = format_train_report(plain[2])
     assert "trained in a plain loop" in text and "x eager" not in text
 
@@ -185,6 +227,7 @@ def test_the_series_and_their_registries():
         "torchrec int8/bf16",
         "qcomm fp16/fp16",
         "qcomm int8/bf16",
+        "qcomm adaptive:mx4|int8|bf16",
     } <= set(labels)
     hooked = [s for s in series if s.dense]
     assert [(s.dense, s.unsummable_reduce_scatter) for s in hooked] == [("int8", False)]
@@ -195,8 +238,13 @@ def test_the_series_and_their_registries():
         qcomm.build_registry(s.registry, allow_unsummable_reduce_scatter=True)
         # What the series says of its reduce-scatter is what build_registry
         # says where TorchRec's transport, which sums the wires, is chosen.
+        # An adaptive registry, whose errors travel in qcomm's statuses, is
+        # refused there whatever the collective.
         with qcomm.config.configured(torchrec_collectives="torchrec"):
-            if s.unsummable_reduce_scatter:
+            if s.pair == ADAPTIVE:
+                with pytest.raises(CodecError, match="runs on qcomm's exchange only"):
+                    qcomm.build_registry(s.registry)
+            elif s.unsummable_reduce_scatter:
                 with pytest.raises(CodecError, match="POOLED_EMBEDDINGS_REDUCE_SCATTER"):
                     qcomm.build_registry(s.registry)
             else:

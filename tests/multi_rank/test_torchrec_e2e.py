@@ -70,6 +70,7 @@ from torchrec_utils import (
 
 import qcomm
 from qcomm import CodecInfo, CommOp, QuantizedCommCodecs, config, torchrec_exchange
+from qcomm.adaptive import DEFAULT_MAX_ERROR, DEFAULT_WINDOW
 
 WORLD = 2
 B_LOCAL = 16
@@ -556,7 +557,7 @@ def test_dlrm_example_runs(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["runs"]) == {"fp32", "fp16", "bf16", "int8", "fp8", "mx4"} | {
+    assert set(results["runs"]) == {"fp32", "fp16", "bf16", "int8", "fp8", "mx4", "adaptive"} | {
         "dense-int8+ef",
         "dense-mx4+ef",
         "dense-mx4",
@@ -572,3 +573,27 @@ def test_dlrm_example_runs(tmp_path):
     assert results["summary"]["fp32"]["held_out_gap"] == 0.0
     assert (tmp_path / "loss_curves.png").stat().st_size > 0
     assert "held-out" in done.stdout and "95% interval" in done.stdout
+    # The adaptive registry runs on TorchRec's sharders (on qcomm's exchange)
+    # and says which codec carried each call: per seed, every step's call of
+    # both collectives, forward and backward (the table-wise and the
+    # column-wise tables take an all-to-all each, forward in training and
+    # held-out evaluation), all within the candidates and the budget.
+    forward_calls = {"all_to_all_pooled": 2 * (3 + 1), "reduce_scatter_pooled": 3 + 1}
+    calls = {f"{name} forward": n for name, n in forward_calls.items()}
+    calls |= {f"{name} backward": n * 3 // 4 for name, n in forward_calls.items()}
+    for run in results["runs"]["adaptive"]:
+        assert {k: v["calls"] for k, v in run["codecs_used"].items()} == calls
+        for row in run["codecs_used"].values():
+            # No more calls than the window: the most precise candidate carries
+            # them, and only the window's last call may choose a cheaper one.
+            assert row["codecs"] == {"bf16": row["calls"]}
+            switched = [to for _, to in row["switches"]]
+            allowed = ([], ["mx4"], ["int8"]) if row["calls"] == DEFAULT_WINDOW else ([],)
+            assert switched in allowed, row
+            assert set(row["errors"]) == {"mx4", "int8", "bf16"}
+            assert row["errors"]["bf16"]["max"] < DEFAULT_MAX_ERROR
+    assert all(run["codecs_used"] is None for run in results["runs"]["fp32"])
+    used = results["summary"]["adaptive"]["codecs_used"]
+    assert {k: v["calls"] for k, v in used.items()} == {k: 2 * n for k, n in calls.items()}
+    assert all(v["shares"] == {"bf16": 1.0} and v["last"] == ["bf16"] * 2 for v in used.values())
+    assert "adaptive  all_to_all_pooled forward: bf16 100% of 16 calls" in done.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,12 @@ import qcomm
 from qcomm.adaptive import DEFAULT_MAX_ERROR, DEFAULT_WINDOW, AdaptiveCodec, _choose
 from qcomm.collectives import _measure
 from qcomm.history import CallRecord, error_history
+
+
+def _load(spec: str) -> AdaptiveCodec:
+    codec = qcomm.load_codec(spec)
+    assert isinstance(codec, AdaptiveCodec), codec
+    return codec
 
 
 def _record(codec: str = "int8") -> CallRecord:
@@ -26,7 +33,7 @@ def _learn(codec: AdaptiveCodec, errors: list[list[float]], key: str = "c") -> i
 
 
 def test_a_spec_builds_the_candidates_in_order_with_their_own_options() -> None:
-    codec = qcomm.load_codec("adaptive:mx4|int8:row_dim=64|bf16,max_error=0.01,window=3")
+    codec = _load("adaptive:mx4|int8:row_dim=64|bf16,max_error=0.01,window=3")
     assert isinstance(codec, AdaptiveCodec)
     assert codec.names == ("mx4", "int8", "bf16")
     assert codec.candidates[1].row_dim == 64
@@ -36,13 +43,13 @@ def test_a_spec_builds_the_candidates_in_order_with_their_own_options() -> None:
 def test_the_defaults_are_the_advice_budget_and_eight_calls() -> None:
     from qcomm.benchmark.advice import DEFAULT_MAX_ERROR as ADVICE
 
-    codec = qcomm.load_codec("adaptive:int8|bf16")
+    codec = _load("adaptive:int8|bf16")
     assert codec.max_error == DEFAULT_MAX_ERROR == ADVICE
     assert codec.window == DEFAULT_WINDOW == 8
 
 
 def test_a_budget_on_any_spec_makes_a_guard_of_one_candidate() -> None:
-    codec = qcomm.load_codec("int8:max_error=1e-2,on_exceed=raise")
+    codec = _load("int8:max_error=1e-2,on_exceed=raise")
     assert isinstance(codec, AdaptiveCodec)
     assert codec.names == ("int8",)
     assert (codec.max_error, codec.on_exceed) == (0.01, "raise")
@@ -92,7 +99,7 @@ def test_bad_arguments_raise_naming_the_argument() -> None:
 
 
 def test_an_adaptive_codec_refuses_to_encode_outside_qcomms_exchange() -> None:
-    codec = qcomm.load_codec("adaptive:int8|bf16")
+    codec = _load("adaptive:int8|bf16")
     for call in (
         lambda: codec.encode(torch.ones(4)),
         lambda: codec.decode(torch.ones(4)),
@@ -104,12 +111,12 @@ def test_an_adaptive_codec_refuses_to_encode_outside_qcomms_exchange() -> None:
 
 
 def test_the_most_precise_candidate_is_used_until_measured() -> None:
-    codec = qcomm.load_codec("adaptive:mx4|int8|bf16,window=2")
+    codec = _load("adaptive:mx4|int8|bf16,window=2")
     assert codec.current("c") == 2
 
 
 def test_a_cheaper_candidate_is_taken_after_window_calls_within_budget_on_every_rank() -> None:
-    codec = qcomm.load_codec("adaptive:mx4|int8|bf16,max_error=0.05,window=3")
+    codec = _load("adaptive:mx4|int8|bf16,max_error=0.05,window=3")
     # mx4 within budget on rank 0 but over on rank 1: int8 it is, after 3 calls.
     fine = [[0.01, 0.004, 0.002], [0.09, 0.004, 0.002]]
     assert [_learn(codec, fine) for _ in range(3)] == [2, 2, 1]
@@ -118,7 +125,7 @@ def test_a_cheaper_candidate_is_taken_after_window_calls_within_budget_on_every_
 
 
 def test_a_call_over_budget_moves_to_a_more_precise_candidate_at_once() -> None:
-    codec = qcomm.load_codec("adaptive:mx4|int8|bf16,max_error=0.05,window=2")
+    codec = _load("adaptive:mx4|int8|bf16,max_error=0.05,window=2")
     for _ in range(2):
         _learn(codec, [[0.01, 0.004, 0.002]] * 2)
     assert codec.current("c") == 0
@@ -129,12 +136,12 @@ def test_a_call_over_budget_moves_to_a_more_precise_candidate_at_once() -> None:
 
 
 def test_a_candidate_not_measured_on_any_rank_is_not_taken() -> None:
-    codec = qcomm.load_codec("adaptive:mx4|bf16,window=1")
+    codec = _load("adaptive:mx4|bf16,window=1")
     assert _learn(codec, [[math.nan, 0.002]] * 2) == 1
 
 
 def test_collectives_and_passes_adapt_apart() -> None:
-    codec = qcomm.load_codec("adaptive:mx4|bf16,window=1")
+    codec = _load("adaptive:mx4|bf16,window=1")
     _learn(codec, [[0.001, 0.001]], key="forward")
     assert (codec.current("forward"), codec.current("backward")) == (0, 1)
 
@@ -150,7 +157,7 @@ def test_the_choice_rule_picks_the_first_candidate_that_qualifies() -> None:
 
 
 def test_the_last_candidate_over_budget_warns_once_per_collective() -> None:
-    codec = qcomm.load_codec("adaptive:mx4|bf16,max_error=0.01,window=1")
+    codec = _load("adaptive:mx4|bf16,max_error=0.01,window=1")
     over = [[0.5, 0.02], [0.5, 0.03]]
     with pytest.warns(RuntimeWarning, match=r"c: bf16's relative RMS error 0.03 on rank 1"):
         _learn(codec, over)
@@ -162,7 +169,7 @@ def test_the_last_candidate_over_budget_warns_once_per_collective() -> None:
 
 
 def test_a_guard_with_on_exceed_raise_returns_the_error_naming_collective_rank_and_error() -> None:
-    codec = qcomm.load_codec("int8:max_error=0.01,on_exceed=raise")
+    codec = _load("int8:max_error=0.01,on_exceed=raise")
     used = codec.current("all_to_all_pooled forward")
     error = codec.learn(
         "all_to_all_pooled forward",
@@ -181,7 +188,7 @@ def test_a_guard_with_on_exceed_raise_returns_the_error_naming_collective_rank_a
 def test_a_switch_is_logged_at_info_and_kept_in_the_history(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    codec = qcomm.load_codec("adaptive:mx4|bf16,window=1")
+    codec = _load("adaptive:mx4|bf16,window=1")
     with caplog.at_level("INFO", logger="qcomm.adaptive"):
         _learn(codec, [[0.001, 0.001]])
     assert "c: bf16 -> mx4" in caplog.text
@@ -190,7 +197,7 @@ def test_a_switch_is_logged_at_info_and_kept_in_the_history(
 
 
 def test_an_adaptive_codec_pickles_with_its_options_and_a_fresh_choice() -> None:
-    codec = qcomm.load_codec("adaptive:mx4|bf16,max_error=0.02,window=1")
+    codec = _load("adaptive:mx4|bf16,max_error=0.02,window=1")
     _learn(codec, [[0.001, 0.001]])
     copy = pickle.loads(pickle.dumps(codec))
     assert (copy.names, copy.max_error, copy.window) == (("mx4", "bf16"), 0.02, 1)
@@ -269,3 +276,31 @@ def test_the_collective_bench_refuses_budgets_and_adaptive_codecs(spec: str) -> 
 
     with pytest.raises(qcomm.CodecError, match="qcomm bench --train"):
         check_spec(spec)
+
+
+def test_a_stochastic_codec_is_measured_without_moving_the_users_random_stream() -> None:
+    codec = qcomm.load_codec("mx4:rounding=stochastic")
+    assert qcomm.codec_info(codec).stochastic
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    rms, _ = _measure._error(codec, torch.randn(4096, generator=torch.Generator()), torch.float32)
+    assert 0 < rms < 0.2
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_stateful_codec_is_not_measured() -> None:
+    from qcomm.collectives._coding import Coding, Side
+
+    int8 = qcomm.load_codec("int8")
+
+    class Stateful:
+        info = qcomm.CodecInfo("stateful", 10.0, stateful=True)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(int8, name)
+
+    codec = Stateful()
+    side = Side(codec, 0, Coding(codec, torch.float32))
+    assert not _measure.measured(side) and _measure.slots_of(side) == 0
+    assert _measure.slots_of(Side(int8, 0, Coding(int8, torch.float32))) == 1
