@@ -176,6 +176,7 @@ def _fsdp(rank: int) -> dict[str, Any]:
 
 
 def _torchrec(rank: int, world: int) -> dict[str, Any]:
+    from torchrec.distributed import comm_ops
     from torchrec.distributed.dist_data import PooledEmbeddingsAllToAll
     from torchrec_utils import dlrm_batches, small_dlrm
 
@@ -216,6 +217,16 @@ def _torchrec(rank: int, world: int) -> dict[str, Any]:
     dist.all_to_all_single = counted_a2a  # what TorchRec's own transport sends with
     try:
         with counting("torchrec_call") as taken:
+            # TorchRec's way to swap its transport: its own, here.
+            out["custom"] = refused(
+                lambda x: comm_ops.alltoall_pooled(
+                    x,
+                    [4] * world,
+                    [8] * world,
+                    codecs=registry["POOLED_EMBEDDINGS_ALL_TO_ALL"],
+                    all_to_all_single_comm=comm_ops.DefaultAll2AllSingle(),
+                ).wait()
+            )
             torchrec_exchange.uninstall()
             out["uninstalled"] = refused(call)
             torchrec_exchange.install()  # the setting is read again at the next call
@@ -379,6 +390,10 @@ def test_torchrecs_own_transport_refuses_an_adaptive_pair_before_sending(
         assert "forward codec (fp16|bf16, max_error=0.01)" in said, said
         assert "backward codec (fp16|bf16, max_error=0.01)" in said, said
         assert tr["compiled fullgraph=False"] == said, (rank, tr)
+        assert tr["custom"].startswith(
+            "CodecError: comm_ops.alltoall_pooled: this call runs on TorchRec's own transport "
+            "(the call passes its own all_to_all_single_comm)"
+        ), tr["custom"]
         # With fullgraph, dynamo raises its own error, naming this one.
         assert "torchrec_collectives is 'torchrec'" in tr["compiled fullgraph=True"], tr
         assert tr["sent"] == {}, (rank, tr["sent"])  # nothing sent by TorchRec
