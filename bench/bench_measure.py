@@ -1,7 +1,7 @@
 r"""
 What measuring a call's error costs (docs/adaptive.rst): for every built-in
 codec, the measurement of one codec on the largest sample a call takes
-(4096 elements: an encode, a decode and the norms), beside encoding and
+(2048 elements: an encode, a decode and the norms), beside encoding and
 decoding the 1 MiB of float32 a 1 MiB call sends, in the same run. An
 adaptive codec measures each of its candidates: its cost is the sum of
 theirs. The summary prints each measurement's time as a share of the

@@ -1,11 +1,12 @@
 r"""
 Codecs chosen by the error each call measures (see :doc:`adaptive`).
 
-Every call that encodes measures, on the sending rank, the relative RMS
-error (and the largest error) of what it encoded, on a deterministic sample
-of the rows it sends, and carries the figures in the in-band status that
-already ends its last message to each peer: every rank learns every rank's
-error without a message more. An :class:`AdaptiveCodec` measures each of
+A call whose codec is adaptive or has a budget (and every call that
+encodes, with the setting ``measure_errors``) measures, on the sending
+rank, the relative RMS error (and the largest error) of what it encoded, on
+a deterministic sample of the rows it sends, and carries the figures in the
+in-band status that already ends its last message to each peer: every rank
+learns every rank's error without a message more. An :class:`AdaptiveCodec` measures each of
 its candidates on that sample and picks, for the next call, the first
 candidate (in the order given) whose error on every rank stayed within the
 budget over its last ``window`` calls; every rank computes the same choice

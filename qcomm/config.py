@@ -74,9 +74,9 @@ class Settings:
             given nothing (see :doc:`codecs`); ``""``: none.
             ``QCOMM_CODECS``. Default: ``""``.
         measure_errors (bool): whether every call that encodes measures its
-            error on a sample of what it sends (see :doc:`adaptive`);
-            adaptive and budgeted codecs always do. ``QCOMM_MEASURE_ERRORS``
-            (``1`` or ``0``). Default: ``True``.
+            error on a sample of what it sends, for :func:`~qcomm.error_history`
+            (see :doc:`adaptive`); adaptive and budgeted codecs always do.
+            ``QCOMM_MEASURE_ERRORS`` (``1`` or ``0``). Default: ``False``.
     """
 
     transport: str = "auto"
@@ -86,7 +86,7 @@ class Settings:
     exit_timeout: float = _EXIT_TIMEOUT
     plugins: str = ""
     codecs: str = ""
-    measure_errors: bool = True
+    measure_errors: bool = False
 
 
 #: Each field's environment variable.
@@ -162,9 +162,9 @@ def _text(raw: str, name: str) -> str:
 
 def _switch(raw: str, name: str) -> bool:
     value = raw.lower()
-    if value in ("", "1", "true", "on"):
+    if value in ("1", "true", "on"):
         return True
-    if value in ("0", "false", "off"):
+    if value in ("", "0", "false", "off"):
         return False
     raise ValueError(f"{name}: expected '1' or '0', got {raw!r}")
 

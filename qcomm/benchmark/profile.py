@@ -273,13 +273,14 @@ def _with_and_without_measuring(
     session: Session, series: Series, case: Case, calls: int, rounds: int
 ) -> tuple[float, float, tuple[float, ...]]:
     """
-    The call timed with its errors measured and without, in alternating
-    rounds (the setting is read on each rank alone, so both ranks switch
-    together between blocks): both medians, and each round's cost of measuring.
+    The call timed with its errors measured (``measure_errors`` on) and
+    without, in alternating rounds (both ranks switch together between
+    blocks): both medians, and each round's cost of measuring.
     """
     measured, unmeasured = [], []
     for _ in range(rounds):
-        measured.append(_block(session, series, case, calls))
+        with qcomm_config.configured(measure_errors=True):
+            measured.append(_block(session, series, case, calls))
         with qcomm_config.configured(measure_errors=False):
             unmeasured.append(_block(session, series, case, calls))
     cost = tuple(m / u - 1 for m, u in zip(measured, unmeasured, strict=True))
@@ -418,7 +419,7 @@ def format_profiles(ranks: list[list[PhaseProfile]], transport: str) -> str:
             lines.append(
                 f"  {'measuring the errors':22} costs {statistics.median(costs):+.1%} of the call "
                 f"unmeasured (rounds {min(costs):+.1%} to {max(costs):+.1%}; "
-                "QCOMM_MEASURE_ERRORS=0 leaves it out)"
+                "QCOMM_MEASURE_ERRORS=1, a budget or an adaptive codec)"
             )
         lines.append("")
     return "\n".join(lines)

@@ -66,9 +66,13 @@ class Meter:
     def __init__(self, codings: PeerCodings, sends: list[Any], dtype: torch.dtype) -> None:
         self.sides = codings.sides
         self.slots = sum(slots_of(s) for s in self.sides)
-        every = config._read("measure_errors")[0] is not False
-        # An adaptive codec's choice needs its figures: measured whatever the setting.
-        self._on = [every or isinstance(s.codec, AdaptiveCodec) for s in self.sides]
+        every = config._read("measure_errors")[0] is True
+        # An adaptive codec's choice (and a budget) needs its figures:
+        # measured whatever the setting. The statuses keep their slots either
+        # way, so that ranks whose settings differ still agree on sizes.
+        self._on = [
+            bool(slots_of(s)) and (every or isinstance(s.codec, AdaptiveCodec)) for s in self.sides
+        ]
         self._index = {id(s.coding): i for i, s in enumerate(self.sides)}
         self._samples: list[list[torch.Tensor]] = [[] for _ in self.sides]
         pieces = [0] * len(self.sides)
@@ -87,7 +91,7 @@ class Meter:
     def take(self, coding: Coding, piece: Any, x: torch.Tensor) -> None:
         """Keeps this chunk's share of the sample (``x``: what the codec encoded)."""
         i = self._index.get(id(coding))
-        if i is None or not self._on[i] or not slots_of(self.sides[i]):
+        if i is None or not self._on[i]:
             return
         granule = _granule(coding, piece.region)
         flat = x.reshape(-1)
@@ -111,6 +115,9 @@ class Meter:
         out: list[list[float] | torch.Tensor] = []
         for i, side in enumerate(self.sides):
             if not slots_of(side):
+                continue
+            if not self._on[i]:
+                out.append([math.nan, math.nan])
                 continue
             sample = _joined(self._samples[i])
             codecs = (
@@ -148,7 +155,8 @@ class Meter:
         at = 0
         for i, side in enumerate(self.sides):
             n = slots_of(side)
-            if not n:
+            if not self._on[i]:
+                at += n  # not measured here: nothing to record
                 continue
             # By rank, each candidate's relative RMS error, then the used one's largest.
             rms = [row[2 * at : 2 * (at + n) : 2] for row in rows]

@@ -9,8 +9,9 @@ on it, on 3 gloo ranks and both transports (one spawn each, every case in it):
   the rank and the error;
 - ranks given different candidates, budgets or windows raise on their first
   call;
-- a plain codec's calls are recorded with every rank's error, and the setting
-  ``measure_errors`` turns the measuring off.
+- a plain codec's calls are recorded with every rank's error where the
+  setting ``measure_errors`` is on (off by default), ranks differing in it
+  included.
 
 Every rank's record of every call is the same: each reads the others' errors
 from their statuses.
@@ -146,10 +147,14 @@ def _disagreement(rank: int) -> dict[str, str | None]:
 
 def _plain(rank: int) -> dict[str, Any]:
     pair = qcomm.QuantizedCommCodecs(forward=qcomm.load_codec("int8"))
-    qcomm.reduce_scatter_pooled(_data(rank, 0), codecs=pair).wait()
-    with config.configured(measure_errors=False):
+    qcomm.reduce_scatter_pooled(_data(rank, 0), codecs=pair).wait()  # not measured
+    before = qcomm.error_history(pair)
+    # Ranks may differ in the setting: rank 2 measures, the others do not.
+    with config.configured(measure_errors=True):
         qcomm.reduce_scatter_pooled(_data(rank, 1), codecs=pair).wait()
-    return {"records": qcomm.error_history(pair)}
+    with config.configured(measure_errors=rank == 2):
+        qcomm.reduce_scatter_pooled(_data(rank, 2), codecs=pair).wait()
+    return {"before": before, "records": qcomm.error_history(pair)}
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
@@ -240,11 +245,14 @@ def test_ranks_given_different_adaptive_codecs_raise_on_the_first_call(
         assert said is not None and "codecs.forward" in said, (rank, said)
 
 
-def test_a_plain_codecs_calls_are_recorded_unless_measuring_is_off(
+def test_a_plain_codecs_calls_are_recorded_where_measuring_is_on(
     results: list[dict[str, Any]],
 ) -> None:
-    for r in results:
-        measured, off = r["plain"]["records"]
+    for rank, r in enumerate(results):
+        assert r["plain"]["before"] == [], (rank, r["plain"])
+        records = r["plain"]["records"]
+        assert len(records) == (2 if rank == 2 else 1), (rank, records)
+        measured = records[0]
         assert measured.codec == "int8" and measured.collective == "reduce_scatter_pooled forward"
         assert all(0 < e < 0.02 for e in measured.errors), measured
         assert measured.errors == results[0]["plain"]["records"][0].errors
@@ -253,4 +261,6 @@ def test_a_plain_codecs_calls_are_recorded_unless_measuring_is_off(
             2 * ROWS * DIM * 40 // 32,
             2 * ROWS * DIM * 4,
         )
-        assert all(math.isnan(e) for e in off.errors), off
+        if rank == 2:  # only its own error is known: the others did not measure
+            mixed = records[1].errors
+            assert math.isnan(mixed[0]) and math.isnan(mixed[1]) and 0 < mixed[2] < 0.02

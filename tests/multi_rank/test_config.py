@@ -29,6 +29,7 @@ _VARIABLES = {
     "QCOMM_EXIT_TIMEOUT",
     "QCOMM_PLUGINS",
     "QCOMM_CODECS",
+    "QCOMM_MEASURE_ERRORS",
 }
 
 
@@ -79,6 +80,7 @@ def test_the_defaults(clean: pytest.MonkeyPatch) -> None:
         exit_timeout=10.0,
         plugins="",
         codecs="",
+        measure_errors=False,
     )
     assert set(config.VARIABLES.values()) == _VARIABLES - {"LOCAL_WORLD_SIZE"}
 
@@ -99,6 +101,10 @@ def test_the_defaults(clean: pytest.MonkeyPatch) -> None:
         ("QCOMM_EXIT_TIMEOUT", "2.5", "exit_timeout", 2.5),
         ("QCOMM_PLUGINS", " qcomm,good-codecs ", "plugins", "qcomm,good-codecs"),
         ("QCOMM_CODECS", "fp16/bf16", "codecs", "fp16/bf16"),
+        ("QCOMM_MEASURE_ERRORS", "1", "measure_errors", True),
+        ("QCOMM_MEASURE_ERRORS", " On", "measure_errors", True),
+        ("QCOMM_MEASURE_ERRORS", "0", "measure_errors", False),
+        ("QCOMM_MEASURE_ERRORS", "", "measure_errors", False),
     ],
 )
 def test_each_variable_gives_its_field(
@@ -140,6 +146,7 @@ def test_the_environment_is_read_once(
     [
         ("QCOMM_TRANSPORT", "nccl", "transport"),
         ("QCOMM_VERIFY", "yes", "verify"),
+        ("QCOMM_MEASURE_ERRORS", "sometimes", "measure_errors"),
         ("QCOMM_RANKS_PER_HOST", "two", "ranks_per_host"),
         ("QCOMM_RANKS_PER_HOST", "0", "ranks_per_host"),
         ("LOCAL_WORLD_SIZE", "-1", "ranks_per_host"),
