@@ -25,7 +25,7 @@ from qcomm.collectives import _background, _buffers
 from qcomm.collectives._call import Call
 from qcomm.collectives._coding import Coding, PeerCodings, collective_of
 from qcomm.collectives._header import Flow
-from qcomm.collectives._measure import Finished, Meter, slots_of
+from qcomm.collectives._measure import Finished, Meter, measuring, slots_of
 from qcomm.collectives._protocol import Flows, Protocol
 from qcomm.collectives._transport import Transport
 from qcomm.collectives._wire import checked_decode, checked_encode, encodable, quantized_sizes
@@ -319,9 +319,12 @@ def start_exchange(
     steps = plan(sends, recvs, codings, transport, chunk_bytes)
     finish = _Receiver(steps, codings, transport, add, before)
     lender = _Lender(steps, codings) if background and transport.moves_alone else None
-    # A call that encodes measures its error (none that only moves data).
-    meter = Meter(codings, steps.sends, dtype) if any(map(slots_of, codings.sides)) else None
-    protocol = Protocol(call, codings, dtype, _flows(steps), meter.slots if meter else 0)
+    # A call that encodes has slots for its errors in its statuses; it
+    # measures them where asked (see _measure.measuring).
+    slots = sum(map(slots_of, codings.sides))
+    on = measuring(codings.sides) if slots else []
+    meter = Meter(codings, steps.sends, dtype, on) if any(on) else None
+    protocol = Protocol(call, codings, dtype, _flows(steps), slots)
     if lender is not None and lender.copies:
         stage = _buffers.take(lender.copies, lender.dtype, transport.device)
         lender.stage = transport.hold(stage)

@@ -56,6 +56,25 @@ def slots_of(side: Side) -> int:
     return 1 if measured(side) else 0
 
 
+def measuring(sides: list[Side]) -> list[bool]:
+    """
+    Which of ``sides`` a call measures: an adaptive codec (a budget is one)
+    always, as its choice needs the figures; a plain one where the setting
+    ``measure_errors`` is on. The statuses keep every side's slots either
+    way, so that ranks whose settings differ still agree on sizes.
+    """
+    every: bool | None = None
+    out = []
+    for side in sides:
+        if isinstance(side.codec, AdaptiveCodec):
+            out.append(True)
+            continue
+        if every is None:
+            every = config._read("measure_errors")[0] is True
+        out.append(every and measured(side))
+    return out
+
+
 class Meter:
     """
     The error measurement of one exchange: ``sends``, the plan's sends (each
@@ -63,16 +82,13 @@ class Meter:
     spread its sample over them.
     """
 
-    def __init__(self, codings: PeerCodings, sends: list[Any], dtype: torch.dtype) -> None:
+    def __init__(
+        self, codings: PeerCodings, sends: list[Any], dtype: torch.dtype, on: list[bool]
+    ) -> None:
         self.sides = codings.sides
         self.slots = sum(slots_of(s) for s in self.sides)
-        every = config._read("measure_errors")[0] is True
-        # An adaptive codec's choice (and a budget) needs its figures:
-        # measured whatever the setting. The statuses keep their slots either
-        # way, so that ranks whose settings differ still agree on sizes.
-        self._on = [
-            bool(slots_of(s)) and (every or isinstance(s.codec, AdaptiveCodec)) for s in self.sides
-        ]
+        #: by side, whether it is measured (see measuring)
+        self._on = on
         self._index = {id(s.coding): i for i, s in enumerate(self.sides)}
         self._samples: list[list[torch.Tensor]] = [[] for _ in self.sides]
         pieces = [0] * len(self.sides)
