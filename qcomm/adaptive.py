@@ -22,12 +22,13 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from qcomm.errors import CodecError
 from qcomm.history import CallLog, CallRecord
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DEFAULT_MAX_ERROR", "DEFAULT_WINDOW", "ON_EXCEED", "AdaptiveCodec"]
 
