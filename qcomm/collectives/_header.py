@@ -7,9 +7,10 @@ What each pair of ranks tells the other with the data of a call
   well, and a hash of the call as this rank sees it: the call's number on
   its group, the collective and pass, the codec's fingerprint, the dtype and
   the sizes; then, where the call encodes, the errors this rank measured of
-  what it encoded, two float32 per slot of :mod:`._measure`). A rank that fails after the receives were posted still sends
-  what it promised (zeros), with a failed status, so that no peer waits and
-  none uses the zeros.
+  what it encoded, two float32 per slot of :mod:`._measure`). A rank that
+  fails after the receives were posted still sends what it promised
+  (zeros), with a failed status, so that no peer waits and none uses the
+  zeros.
 - Under ``QCOMM_VERIFY=1``, a header before the data: :data:`SIZE` bytes,
   16 int64 fields then UTF-8 text (the codec's name, or the error). Data
   moves only once the headers agree, so a mismatch raises on both ranks
