@@ -44,7 +44,8 @@ _log = logging.getLogger("qcomm.adaptive")
 _REFUSED = (
     "an adaptive or budgeted codec ({name}) runs on qcomm's exchange only: its error travels "
     "in qcomm's in-band statuses, which TorchRec's own transport does not carry; call qcomm's "
-    "collectives, or leave the setting torchrec_collectives at 'qcomm'"
+    "collectives, or keep TorchRec's on qcomm's exchange (the setting torchrec_collectives at "
+    "'qcomm', and qcomm.torchrec_exchange installed)"
 )
 
 
