@@ -18,7 +18,6 @@ import qcomm
 from qcomm.benchmark.agreement import agreed_here
 from qcomm.benchmark.harness import (
     LOCAL,
-    MemoryEstimate,
     Run,
     TrainSeries,
     run_model,
@@ -27,7 +26,7 @@ from qcomm.benchmark.harness import (
 from qcomm.benchmark.options import BenchConfig
 from qcomm.benchmark.rows import MlpRow
 from qcomm.benchmark.session import Session
-from qcomm.benchmark.train_mlp import LEARNING_RATE, OUTPUTS, Mlp, mlp_parameters
+from qcomm.benchmark.train_mlp import LEARNING_RATE, Mlp
 
 __all__ = ["BF16", "DEFAULT", "QCOMM_BF16", "Fsdp", "fsdp_series", "run_train_fsdp"]
 
@@ -137,8 +136,6 @@ def _bf16(row: MlpRow, ok: dict[str, MlpRow]) -> MlpRow | None:
 # shards, gradients and residuals, the layer being computed whole, and the
 # reference's weights and gradients (whole).
 _FSDP_COPIES = 16
-# Floats per sample and layer width of a step, as for --train-model mlp.
-_FSDP_FLOATS_PER_ACTIVATION = 12
 
 
 class Fsdp(Mlp):
@@ -147,7 +144,7 @@ class Fsdp(Mlp):
     (:class:`~qcomm.benchmark.harness.TrainModel`): one series per way of
     moving weights and gradients (:func:`fsdp_series`); its batches, steps
     and results are the MLP's (:class:`~qcomm.benchmark.train_mlp.Mlp`), the
-    model named ``fsdp``, a row's ``ddp_hook`` holding its series'
+    model named ``fsdp``, its memory that of fewer parameter copies, a row's ``ddp_hook`` holding its series'
     collectives and ``vs_fp16_hook`` its speed-up over FSDP's bf16 mixed
     precision.
     """
@@ -156,6 +153,7 @@ class Fsdp(Mlp):
     _collectives = staticmethod(_collectives)
     _baseline = DEFAULT
     _reference = staticmethod(_bf16)
+    _copies = _FSDP_COPIES
 
     def series(self, config: BenchConfig) -> list[TrainSeries]:
         r"""
@@ -167,27 +165,6 @@ class Fsdp(Mlp):
             config (BenchConfig): the run's settings.
         """
         return fsdp_series()
-
-    def memory(self, config: BenchConfig) -> MemoryEstimate:
-        r"""
-        memory(config: BenchConfig) -> MemoryEstimate
-
-        The parameters' copies, the batches and the activations.
-
-        Args:
-            config (BenchConfig): the run's settings.
-        """
-        layers, width, batch = config.train_layers, config.train_width, config.train_batch
-        floats = (
-            _FSDP_COPIES * mlp_parameters(layers, width)
-            + config.train_steps * batch * (width + OUTPUTS)
-            + _FSDP_FLOATS_PER_ACTIVATION * batch * width * (layers + 1)
-        )
-        return MemoryEstimate(
-            4.0 * floats,
-            "--train-layers, --train-width, --train-batch, --train-steps",
-            f"{layers} layers of {width} and {config.train_steps} batches of {batch}",
-        )
 
     def build(self, session: Session, config: BenchConfig, run: Run) -> None:
         r"""

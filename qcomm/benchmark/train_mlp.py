@@ -233,11 +233,13 @@ class Mlp:
     # What the results name and compare, which a model on the MLP's batches
     # and steps (FSDP's) gives its own: the model's name, what a row's
     # ``ddp_hook`` says of its series, the series every speed-up is over, and
-    # the one ``vs_fp16_hook`` is over.
+    # the one ``vs_fp16_hook`` is over; and the copies of the parameters a
+    # rank holds (memory()).
     _name = "mlp"
     _collectives = staticmethod(_hook_name)
     _baseline = DEFAULT_HOOK
     _reference = staticmethod(_fp16_hook)
+    _copies = _MLP_COPIES
 
     def series(self, config: BenchConfig) -> list[TrainSeries]:
         r"""
@@ -261,7 +263,7 @@ class Mlp:
         """
         layers, width, batch = config.train_layers, config.train_width, config.train_batch
         floats = (
-            _MLP_COPIES * mlp_parameters(layers, width)
+            self._copies * mlp_parameters(layers, width)
             + config.train_steps * batch * (width + OUTPUTS)
             + _MLP_FLOATS_PER_ACTIVATION * batch * width * (layers + 1)
         )
