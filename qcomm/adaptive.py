@@ -249,7 +249,6 @@ class AdaptiveCodec:
             if finish is not None and finish in state.pending:
                 state.pending.remove(finish)
             worst = _worst(errors)
-            record = record._replace(candidates=tuple(worst))
             for c, value in enumerate(worst):
                 if not math.isnan(value):
                     state.seen[c].append(value)
@@ -257,8 +256,12 @@ class AdaptiveCodec:
             state.current = _choose(state.seen, before, self.max_error, self.window)
             over = not worst[used] <= self.max_error and not math.isnan(worst[used])
             switched = state.current != before
-            record = record._replace(switched_to=self.names[state.current] if switched else None)
-            self.log.add(record)
+            self.log.add(
+                record._replace(
+                    candidates=tuple(worst),
+                    switched_to=self.names[state.current] if switched else None,
+                )
+            )
         if switched:
             _log.info(
                 "%s: %s -> %s (relative RMS errors %s; budget %g)",
