@@ -93,7 +93,8 @@ class CallLog:
             record (CallRecord): one call.
         """
         with self._lock:
-            self._records.append(record._replace(order=next(_order)))
+            # order is the last field: a new tuple, as _replace makes, for less
+            self._records.append(CallRecord._make((*record[:-1], next(_order))))
 
     def records(self) -> list[CallRecord]:
         r"""

@@ -24,6 +24,10 @@ The rules, in order (the first one broken raises :class:`ConformanceError`):
 - ``summable``: if declared, summed wires decode to the sum within the bound.
 - ``decode_into``: if present, it writes exactly ``decode``'s bits into a
   contiguous output, a band of columns and a transposed view, nothing else.
+- ``round_trip_error``: if present (and the codec is not stochastic), it
+  gives the errors of ``decode(encode(x))`` within a relative ``1e-4``, or
+  ``None``, for a 1-D input, one with a partial last block and rows of whole
+  blocks lying apart.
 
 The block is ``CodecInfo.error_block`` when above ``1``, else ``1``.
 """
@@ -55,6 +59,7 @@ RULES = (
     "bits",
     "summable",
     "decode_into",
+    "round_trip_error",
 )
 
 
@@ -576,6 +581,45 @@ def _rule_decode_into(run: _Run) -> None:
         raise run.fail("decode_into into a band of columns wrote outside the band")
 
 
+def _rule_round_trip_error(run: _Run) -> None:
+    rows, width = 6, 4 * run.block
+    x = _normal(run, rows * 2 * width, 3.0)
+    partial = 3 * run.block + max(1, run.block // 2) if run.block > 1 else 97
+    samples = [
+        ("a 1-D tensor", x),
+        ("a 1-D tensor ending in a partial block", x[:partial]),
+        (f"the rows of a [{rows}, {width}] band of a wider matrix", x.view(rows, -1)[:, :width]),
+    ]
+    for where, sample in samples:
+        what = f"round_trip_error(<{where}>)"
+        before = sample.clone()
+        got = _call(run, what, "round_trip_error", sample)
+        if not _same(sample, before):
+            raise run.fail(f"{what} changed its input tensor", "no_mutation")
+        if got is None:
+            continue
+        if (
+            not isinstance(got, tuple)
+            or len(got) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in got)
+        ):
+            raise run.fail(f"{what} returned {got!r}, expected two floats or None")
+        flat = sample.reshape(-1)
+        wire = _encode(run, flat, _context(run), where, "create_context()")
+        decoded = _decode(run, wire, _context(run), where, "create_context()")
+        lost = decoded[: flat.numel()].double() - flat.double()
+        expected = (
+            float(lost.norm() / flat.double().norm()),
+            float(lost.abs().max() / flat.double().abs().max()),
+        )
+        for name, value, want in zip(("RMS", "largest"), got, expected, strict=True):
+            if not abs(value - want) <= 1e-4 * want + 1e-12:
+                raise run.fail(
+                    f"{what} gave the relative {name} error {value!r} where "
+                    f"decode(encode(x)) has {want!r}"
+                )
+
+
 # The longest input the kit builds; 64 MiB of float32 (128 MiB as the float64
 # it is drawn in).
 _MAX_ELEMENTS = 1 << 24
@@ -672,6 +716,14 @@ def check_codec(
             (lambda: _rule_decode_into(run))
             if callable(getattr(codec, "decode_into", None))
             else "no decode_into",
+        ),
+        (
+            "round_trip_error",
+            "no round_trip_error"
+            if not callable(getattr(codec, "round_trip_error", None))
+            else "the codec declares stochastic"
+            if info.stochastic
+            else lambda: _rule_round_trip_error(run),
         ),
     ]
     passed = []

@@ -1,6 +1,7 @@
 /*
  * qcomm_builtin._kernels: optional C kernels of the built-in block codecs
- * (int8, fp8_e4m3, fp8_e5m2, mx4). Their torch code in int8.py, fp8.py and
+ * (int8, fp8_e4m3, fp8_e5m2, mx4), and their round-trip errors for qcomm's
+ * measurement of each call's error. Their torch code in int8.py, fp8.py and
  * mx4.py is the reference and the fallback; these give the same bits.
  *
  * Plain C99, no intrinsics and no -march: the loops are written so that gcc
@@ -512,6 +513,83 @@ KERNEL1(mx4_decode,
        (const uint8_t *in, size_t groups, size_t g, float *out, size_t width, size_t stride),
        (in, groups, g, out, width, stride))
 
+/* ---------------------------------------------------- round-trip error -- */
+
+/* The relative RMS error ||y - x|| / ||x|| and the largest error
+ * max|y - x| / max|x| of n decoded floats y against x (0 where x and y are
+ * all zero, inf where only x is), as qcomm's own measurement takes them
+ * (collectives/_measure.py): y - x in float32, squares summed in double,
+ * where no square of a float32 overflows or underflows. -1 where an x or
+ * y - x is not finite, which qcomm measures itself. Eight independent sums
+ * and integer maxima of the bits, so that the loop vectorizes. */
+#define LANES 8
+static int error_norms(const float *x, const float *y, size_t n, double out[2]) {
+    double sum_x[LANES] = {0.0}, sum_lost[LANES] = {0.0};
+    int32_t top_x = 0, top_lost = 0;
+    for (size_t i = 0; i < n; i += LANES) {
+        size_t len = n - i < LANES ? n - i : LANES;
+        for (size_t j = 0; j < len; j++) {
+            float a = x[i + j], lost = y[i + j] - a;
+            int32_t abs_a = (int32_t)(f2u(a) & 0x7FFFFFFFu);
+            int32_t abs_lost = (int32_t)(f2u(lost) & 0x7FFFFFFFu);
+            top_x = abs_a > top_x ? abs_a : top_x;
+            top_lost = abs_lost > top_lost ? abs_lost : top_lost;
+            sum_x[j] += (double)a * (double)a;
+            sum_lost[j] += (double)lost * (double)lost;
+        }
+    }
+    if (top_x >= (int32_t)INF_BITS || top_lost >= (int32_t)INF_BITS)
+        return -1;
+    double total_x = 0.0, total_lost = 0.0;
+    for (size_t j = 0; j < LANES; j++) {
+        total_x += sum_x[j];
+        total_lost += sum_lost[j];
+    }
+    double mx = u2f((uint32_t)top_x), ml = u2f((uint32_t)top_lost);
+    out[0] = total_x > 0.0 ? sqrt(total_lost / total_x) : total_lost > 0.0 ? INFINITY : 0.0;
+    out[1] = mx > 0.0 ? ml / mx : ml > 0.0 ? INFINITY : 0.0;
+    return 0;
+}
+
+enum { ROUND_TRIP_INT8, ROUND_TRIP_FP8, ROUND_TRIP_MX4 };
+
+/* error_norms of `runs` runs of `length` floats, `stride` floats apart
+ * (whole blocks each; one run may end in a partial block), encoded and
+ * decoded by one of the codecs above: the same encoders and decoders, on a
+ * copy of the runs in a buffer of its own; -2 where memory runs out. */
+static int round_trip_error(int kind, const float *src, size_t runs, size_t length, size_t stride,
+                            size_t block, int flag, const int32_t *table, double out[2]) {
+    size_t n = runs * length, blocks = (n + block - 1) / block, floats = blocks * block;
+    size_t per_block = kind == ROUND_TRIP_INT8  ? block + 8
+                       : kind == ROUND_TRIP_FP8 ? fp8_values_bytes(block) + 8
+                                                : block / 2 + 1;
+    float *x = malloc(n * sizeof(float));
+    uint8_t *wire = malloc(blocks * per_block);
+    float *y = malloc(floats * sizeof(float));
+    int rc = x == NULL || wire == NULL || y == NULL ? -2 : 0;
+    for (size_t r = 0; rc == 0 && r < runs; r++)
+        memcpy(x + r * length, src + r * stride, length * sizeof(float));
+    if (rc == 0 && kind == ROUND_TRIP_INT8) {
+        rc = int8_encode(x, n, wire, block) < 0 ? -2 : 0;
+        if (rc == 0)
+            int8_decode(wire, blocks, block, y, floats, floats, flag);
+    } else if (rc == 0 && kind == ROUND_TRIP_FP8) {
+        rc = fp8_encode(x, n, wire, block, flag) < 0 ? -2 : 0;
+        if (rc == 0)
+            fp8_decode_rows(wire, blocks, block, y, floats, floats, flag);
+    } else if (rc == 0) {
+        rc = mx4_encode(x, n, wire, block, flag, table) < 0 ? -2 : 0;
+        if (rc == 0)
+            mx4_decode(wire, blocks, block, y, floats, floats);
+    }
+    if (rc == 0)
+        rc = error_norms(x, y, n, out);
+    free(x);
+    free(wire);
+    free(y);
+    return rc;
+}
+
 /* -------------------------------------------------------- Python glue -- */
 
 /* Sizes fit in memory, so the products below stay far from overflow. */
@@ -695,6 +773,77 @@ static PyObject *py_mx4_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The two errors as a tuple, None where an input or a decoded value is not
+ * finite, MemoryError where memory ran out. */
+static PyObject *errors_result(int rc, const double out[2]) {
+    if (rc == -2)
+        return PyErr_NoMemory();
+    if (rc < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(dd)", out[0], out[1]);
+}
+
+PyDoc_STRVAR(error_norms_doc,
+             "error_norms(src, decoded, n)\n--\n\n"
+             "(relative RMS error, largest error relative to the largest |x|) of n float32 at "
+             "decoded against n float32 at src; None where a value is not finite.");
+
+static PyObject *py_error_norms(PyObject *self, PyObject *args) {
+    unsigned long long src, decoded;
+    Py_ssize_t n;
+    double out[2];
+    int rc;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKn", &src, &decoded, &n))
+        return NULL;
+    if (check_count("n", n, 1) || check_pointer("src", src, n) ||
+        check_pointer("decoded", decoded, n))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = error_norms(PTR(const float *, src), PTR(const float *, decoded), (size_t)n, out);
+    Py_END_ALLOW_THREADS;
+    return errors_result(rc, out);
+}
+
+PyDoc_STRVAR(round_trip_error_doc,
+             "round_trip_error(codec, src, runs, length, stride, block, flag, table)\n--\n\n"
+             "error_norms of runs runs of length float32 at src, stride floats apart, against "
+             "what codec ('int8', 'fp8' or 'mx4') decodes of its own encoding of them, with block "
+             "its row_dim or group_size; flag: int8_decode's fused, fp8's e5m2, mx4's pre_round; "
+             "table: mx4's (else 0).");
+
+static PyObject *py_round_trip_error(PyObject *self, PyObject *args) {
+    const char *codec;
+    unsigned long long src, table;
+    Py_ssize_t runs, length, stride, block;
+    int flag, kind, rc;
+    double out[2];
+    (void)self;
+    if (!PyArg_ParseTuple(args, "sKnnnnpK", &codec, &src, &runs, &length, &stride, &block, &flag,
+                          &table))
+        return NULL;
+    if (strcmp(codec, "int8") == 0)
+        kind = ROUND_TRIP_INT8;
+    else if (strcmp(codec, "fp8") == 0)
+        kind = ROUND_TRIP_FP8;
+    else if (strcmp(codec, "mx4") == 0)
+        kind = ROUND_TRIP_MX4;
+    else
+        return PyErr_Format(PyExc_ValueError, "codec must be 'int8', 'fp8' or 'mx4', got %R",
+                            PyTuple_GET_ITEM(args, 0));
+    if (check_count("runs", runs, 1) || check_count("length", length, 1) ||
+        check_count("stride", stride, length) || check_count("runs * length", runs * length, 1) ||
+        check_count("block", block, kind == ROUND_TRIP_MX4 ? 2 : 1) ||
+        (kind == ROUND_TRIP_MX4 && (check_even(block) || check_pointer("table", table, 1))) ||
+        check_pointer("src", src, runs))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = round_trip_error(kind, PTR(const float *, src), (size_t)runs, (size_t)length,
+                          (size_t)stride, (size_t)block, flag, PTR(const int32_t *, table), out);
+    Py_END_ALLOW_THREADS;
+    return errors_result(rc, out);
+}
+
 PyDoc_STRVAR(isa_doc, "isa(name=None)\n--\n\n"
                       "The copy of the kernels that runs: 'avx2' or 'baseline'. With a name, "
                       "switch to that copy first (tests run both); 'avx2' only where the CPU "
@@ -731,6 +880,8 @@ static PyMethodDef methods[] = {
     {"fp8_decode", py_fp8_decode, METH_VARARGS, fp8_decode_doc},
     {"mx4_encode", py_mx4_encode, METH_VARARGS, mx4_encode_doc},
     {"mx4_decode", py_mx4_decode, METH_VARARGS, mx4_decode_doc},
+    {"error_norms", py_error_norms, METH_VARARGS, error_norms_doc},
+    {"round_trip_error", py_round_trip_error, METH_VARARGS, round_trip_error_doc},
     {NULL, NULL, 0, NULL},
 };
 

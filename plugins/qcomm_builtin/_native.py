@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["DISABLE_ENV", "kernel_input", "kernels", "lines_of"]
+__all__ = ["DISABLE_ENV", "error_norms", "kernel_input", "kernels", "lines_of", "round_trip_error"]
 
 DISABLE_ENV = "QCOMM_DISABLE_KERNELS"
 
@@ -86,3 +86,48 @@ def lines_of(out: torch.Tensor, numel: int, block: int) -> tuple[int, int] | Non
     if lines.shape[0] > 1 and lines.stride(0) < width:
         return None  # lines overlap: leave it to torch, which refuses
     return width, max(lines.stride(0), width)
+
+
+def round_trip_error(
+    codec: str, x: torch.Tensor, block: int, flag: bool, table: torch.Tensor | None = None
+) -> tuple[float, float] | None:
+    r"""
+    round_trip_error(codec: str, x: Tensor, block: int, flag: bool, table: Tensor | None = None) -> tuple[float, float] | None
+
+    The relative RMS and largest errors of ``x`` encoded and decoded by the
+    kernels of ``codec`` (``"int8"``, ``"fp8"`` or ``"mx4"``; ``flag`` and
+    ``table`` as their decoder and encoder take them), in one call; ``None``
+    where the kernels are missing, ``x`` is not a float32 CPU tensor, or a
+    value is not finite (qcomm then encodes and decodes itself). ``x``: 1-D,
+    or 2-D rows of whole blocks, read where they lie (rows may be apart).
+    """
+    k = kernels() if x.numel() and x.dim() in (1, 2) else None
+    if k is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % block == 0 and x.stride(0) >= x.shape[1]:
+        runs, length, stride = x.shape[0], x.shape[1], x.stride(0)
+    else:  # one run: a copy where the elements are not packed
+        x = x.reshape(-1).contiguous()
+        runs, length, stride = 1, x.numel(), x.numel()
+    address = table.data_ptr() if table is not None else 0
+    result: tuple[float, float] | None = k.round_trip_error(
+        codec, x.data_ptr(), runs, length, stride, block, flag, address
+    )
+    return result
+
+
+def error_norms(x: torch.Tensor, decoded: torch.Tensor) -> tuple[float, float] | None:
+    r"""
+    error_norms(x: Tensor, decoded: Tensor) -> tuple[float, float] | None
+
+    The relative RMS and largest errors of ``decoded`` against ``x`` (float32
+    CPU tensors of one length), or ``None`` where the kernels are missing or a
+    value is not finite.
+    """
+    k = kernels() if x.numel() and x.numel() == decoded.numel() else None
+    src = kernel_input(x, torch.float32) if k is not None else None
+    out = kernel_input(decoded, torch.float32) if src is not None else None
+    if k is None or src is None or out is None:
+        return None
+    result: tuple[float, float] | None = k.error_norms(src.data_ptr(), out.data_ptr(), src.numel())
+    return result

@@ -26,7 +26,7 @@ import torch
 
 from qcomm import BlockCodec, CodecInfo
 from qcomm_builtin._fbgemm import cuda_op
-from qcomm_builtin._native import kernel_input, kernels, lines_of
+from qcomm_builtin._native import kernel_input, kernels, lines_of, round_trip_error
 
 __all__ = ["DEFAULT_ROW_DIM", "FP8E4M3Codec", "FP8E5M2Codec"]
 
@@ -150,6 +150,15 @@ class _RowwiseFP8Codec(BlockCodec):
         # `shift` is exact.
         values = rows[:, : self.block].view(self._fp8).to(torch.float32)
         return values.div_(scale.mul_(self._shift)).view(-1)
+
+    def round_trip_error(self, input_tensor: torch.Tensor) -> tuple[float, float] | None:
+        r"""
+        round_trip_error(input_tensor: Tensor) -> tuple[float, float] | None
+
+        The relative RMS and largest errors of ``decode(encode(input_tensor))``,
+        from the C kernels in one pass (see :doc:`codecs`); ``None`` elsewhere.
+        """
+        return round_trip_error("fp8", input_tensor, self.block, self._e5m2)
 
     def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:
         k = kernels() if wire.device.type == "cpu" else None

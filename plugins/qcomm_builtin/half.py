@@ -14,6 +14,7 @@ import torch
 from qcomm import CodecInfo, ElementwiseCodec
 from qcomm.collectives._buffers import empty
 from qcomm.types import dtype_bits
+from qcomm_builtin._native import error_norms
 
 __all__ = ["BF16Codec", "FP16Codec"]
 
@@ -111,6 +112,18 @@ class _HalfCodec(ElementwiseCodec):
         out.copy_(wire.view(out.shape))
         if self._loss_scale is not None:
             out.div_(self._loss_scale)
+
+    def round_trip_error(self, input_tensor: torch.Tensor) -> tuple[float, float] | None:
+        r"""
+        round_trip_error(input_tensor: Tensor) -> tuple[float, float] | None
+
+        The relative RMS and largest errors of ``decode(encode(input_tensor))``,
+        summed by the C kernels (see :doc:`codecs`); ``None`` off the CPU or
+        without them.
+        """
+        if input_tensor.device.type != "cpu" or input_tensor.dtype != torch.float32:
+            return None
+        return error_norms(input_tensor, self.dequantize(self.quantize(input_tensor)))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(loss_scale={self._loss_scale!r})"

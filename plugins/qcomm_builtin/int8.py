@@ -16,7 +16,7 @@ import torch
 
 from qcomm import BlockCodec, CodecInfo
 from qcomm_builtin._fbgemm import cuda_op, fbgemm_ops
-from qcomm_builtin._native import kernel_input, kernels, lines_of
+from qcomm_builtin._native import kernel_input, kernels, lines_of, round_trip_error
 
 __all__ = ["DEFAULT_ROW_DIM", "Int8Codec"]
 
@@ -205,6 +205,18 @@ class Int8Codec(BlockCodec):
         if op is not None:
             return op(rows).view(-1)
         return _dequantize_rows(rows, d)
+
+    def round_trip_error(self, input_tensor: torch.Tensor) -> tuple[float, float] | None:
+        r"""
+        round_trip_error(input_tensor: Tensor) -> tuple[float, float] | None
+
+        The relative RMS and largest errors of ``decode(encode(input_tensor))``,
+        from the C kernels in one pass (see :doc:`codecs`); ``None`` elsewhere.
+        """
+        fused = _rounds_once()  # round_trip_error asks whether the kernels are there
+        if fused is None:
+            return None
+        return round_trip_error("int8", input_tensor, self.block, fused)
 
     def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:
         k = _decode_kernels() if wire.device.type == "cpu" else None

@@ -16,7 +16,7 @@ import torch
 
 from qcomm import BlockCodec, CodecInfo
 from qcomm.collectives._buffers import empty as _empty
-from qcomm_builtin._native import kernel_input, kernels, lines_of
+from qcomm_builtin._native import kernel_input, kernels, lines_of, round_trip_error
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
@@ -431,6 +431,22 @@ class MX4Codec(BlockCodec):
                 k.mx4_decode(src.data_ptr(), groups, out.data_ptr(), self.block, n, n)
             return out
         return decode_mx4(wire, self.block)
+
+    def round_trip_error(self, input_tensor: torch.Tensor) -> tuple[float, float] | None:
+        r"""
+        round_trip_error(input_tensor: Tensor) -> tuple[float, float] | None
+
+        The relative RMS and largest errors of ``decode(encode(input_tensor))``,
+        from the C kernels in one pass (see :doc:`codecs`); ``None`` elsewhere,
+        and with stochastic rounding (its draws are the call's own).
+        """
+        if self._rounding == "stochastic":
+            return None
+        table = _exponent_table(self._rounding)
+        if table is None:
+            return None
+        pre_round = self._rounding == "even"
+        return round_trip_error("mx4", input_tensor, self.block, pre_round, table)
 
     def dequantize_into(self, wire: torch.Tensor, out: torch.Tensor) -> None:
         k = kernels() if wire.device.type == "cpu" else None

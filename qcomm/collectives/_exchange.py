@@ -321,10 +321,10 @@ def start_exchange(
     lender = _Lender(steps, codings) if background and transport.moves_alone else None
     # A call that encodes has slots for its errors in its statuses; it
     # measures them where asked (see _measure.measuring).
-    slots = sum(map(slots_of, codings.sides))
-    on = measuring(codings.sides) if slots else []
-    meter = Meter(codings, steps.sends, dtype, on) if any(on) else None
-    protocol = Protocol(call, codings, dtype, _flows(steps), slots)
+    slots = [slots_of(side) for side in codings.sides]
+    on = measuring(codings.sides) if any(slots) else []
+    meter = Meter(codings, steps.sends, dtype, slots, on) if any(on) else None
+    protocol = Protocol(call, codings, dtype, _flows(steps), sum(slots))
     if lender is not None and lender.copies:
         stage = _buffers.take(lender.copies, lender.dtype, transport.device)
         lender.stage = transport.hold(stage)

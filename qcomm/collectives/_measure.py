@@ -17,6 +17,7 @@ call itself: the errors are exactly the call's on those blocks.
 from __future__ import annotations
 
 import array
+import itertools
 import math
 import threading
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from qcomm.types import CodecError, codec_info
 
 #: Elements sampled per codec and call (spread over its chunks, whole blocks).
 SAMPLE = 2048
+#: Runs of consecutive blocks a chunk's share of the sample is taken in, at most.
+RUNS = 8
 # The range of a sample's largest value within which its squares (and
 # their sum) stay normal float32 numbers; outside it, float64 (_careful).
 _SAFE = (1e-15, 1e15)
@@ -83,10 +86,17 @@ class Meter:
     """
 
     def __init__(
-        self, codings: PeerCodings, sends: list[Any], dtype: torch.dtype, on: list[bool]
+        self,
+        codings: PeerCodings,
+        sends: list[Any],
+        dtype: torch.dtype,
+        slots: list[int],
+        on: list[bool],
     ) -> None:
         self.sides = codings.sides
-        self.slots = sum(slots_of(s) for s in self.sides)
+        #: by side, its error slots in every status (see slots_of)
+        self._slots = slots
+        self.slots = sum(slots)
         #: by side, whether it is measured (see measuring)
         self._on = on
         self._index = {id(s.coding): i for i, s in enumerate(self.sides)}
@@ -110,16 +120,19 @@ class Meter:
         if i is None or not self._on[i]:
             return
         granule = _granule(coding, piece.region)
-        flat = x.reshape(-1)
+        flat = x if x.is_contiguous() else x.reshape(-1)
         blocks = flat.numel() // granule
         if blocks == 0:
-            self._samples[i].append(flat[: self._quota[i]])
+            self._samples[i].append(flat.reshape(-1)[: self._quota[i]])
             return
         k = min(blocks, max(1, self._quota[i] // granule))
-        # Every step-th block: spread over the chunk, the same blocks on
-        # every call of this shape, and a view (copied once, by errors()).
-        step = blocks // k
-        self._samples[i].append(flat[: blocks * granule].view(blocks, granule)[::step][:k])
+        # Runs of consecutive blocks at even spans over the chunk: the same
+        # blocks on every call of this shape. One view, read where it lies:
+        # a codec's own round_trip_error reads its rows in place, any other
+        # measurement copies them once (errors()).
+        runs = min(k, RUNS)
+        span = blocks // runs
+        self._samples[i].append(flat.as_strided((runs, k // runs * granule), (span * granule, 1)))
 
     def errors(self) -> list[float] | torch.Tensor | None:
         """
@@ -130,22 +143,22 @@ class Meter:
             return None
         out: list[list[float] | torch.Tensor] = []
         for i, side in enumerate(self.sides):
-            if not slots_of(side):
+            if not self._slots[i]:
                 continue
             if not self._on[i]:
                 out.append([math.nan, math.nan])
                 continue
             sample = _joined(self._samples[i])
-            codecs = (
-                side.codec.candidates if isinstance(side.codec, AdaptiveCodec) else [side.codec]
-            )
-            out += [_error(codec, sample, side.coding.dtype) for codec in codecs]
+            if isinstance(side.codec, AdaptiveCodec):
+                out += [_error(c, sample, side.coding.dtype) for c in side.codec.candidates]
+            else:
+                out.append(_error(side.codec, sample, side.coding.dtype))
         self._samples = [[] for _ in self.sides]
-        on_device = [o for o in out if isinstance(o, torch.Tensor)]
-        if not on_device:
+        if not any(isinstance(o, torch.Tensor) for o in out):
             # Rounded to the float32 the status carries: this rank's own
             # figures are then exactly those its peers read.
-            return list(array.array("f", [v for pair in out for v in pair]))
+            return array.array("f", itertools.chain.from_iterable(out)).tolist()
+        on_device = [o for o in out if isinstance(o, torch.Tensor)]
         device = on_device[0].device
         return torch.cat(
             [torch.as_tensor(o, dtype=torch.float64, device=device).reshape(-1) for o in out]
@@ -165,44 +178,44 @@ class Meter:
         record and each adaptive codec's choice; the guard's error to raise, if any.
         """
         nan = [math.nan] * (2 * self.slots)
-        rows = [protocol.errors.get(p, nan) for p in range(world)]
+        theirs = protocol.errors
+        rows = [theirs.get(p, nan) for p in range(world)]
         rows[rank] = protocol.own_errors()
         failure = None
         at = 0
         for i, side in enumerate(self.sides):
-            n = slots_of(side)
+            n = self._slots[i]
             if not self._on[i]:
                 at += n  # not measured here: nothing to record
                 continue
-            # By rank, each candidate's relative RMS error, then the used one's largest.
-            rms = [row[2 * at : 2 * (at + n) : 2] for row in rows]
-            top = [row[2 * (at + side.used) + 1] for row in rows]
-            at += n
+            # By rank, the used candidate's relative RMS error and largest error.
+            used = 2 * (at + side.used)
             record = CallRecord(
                 collective,
                 number,
                 codec_info(side.coding.codec).name,
-                tuple(r[side.used] for r in rms),
-                tuple(top),
+                tuple([row[used] for row in rows]),
+                tuple([row[used + 1] for row in rows]),
                 self.wire_bytes[i],
                 self.data_bytes[i],
             )
             if isinstance(side.codec, AdaptiveCodec):
+                # By rank, each candidate's relative RMS error.
+                rms = [row[2 * at : 2 * (at + n) : 2] for row in rows]
                 error = side.codec.learn(collective, finished, side.used, rms, record)
                 failure = failure or error
             elif (log := log_of(side.codec)) is not None:
                 log.add(record)
+            at += n
         return failure
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The parts of a sample as one contiguous 1-D tensor (one copy where they are views)."""
+    """The parts of a sample as one tensor: the part itself where it is one, else a copy (1-D)."""
     if not parts:
         return None
     if len(parts) == 1:
-        return parts[0].reshape(-1)
-    if all(p.dim() == 2 and p.shape[1] == parts[0].shape[1] for p in parts):
-        return torch.cat(parts).view(-1)
+        return parts[0]
     return torch.cat([p.reshape(-1) for p in parts])
 
 
@@ -228,8 +241,13 @@ def _error(
     if is_identity(codec, dtype):
         return [0.0, 0.0]
     x = encodable(sample, codec)
+    stochastic = codec_info(codec).stochastic
+    quick = None if stochastic else _quick(codec, x)
+    if quick is not None:
+        return quick
+    x = x.reshape(-1)
     try:
-        if codec_info(codec).stochastic:
+        if stochastic:
             # Its draws must not move the user's random stream: the sample
             # is rounded with draws of its own (an estimate of the call's).
             devices = [sample.device] if sample.device.type == "cuda" else []
@@ -254,6 +272,22 @@ def _error(
             if math.isfinite(norm + norm_lost):
                 return [_divide(norm_lost, norm), _divide(top_lost, top)]
     return _careful(x.float(), decoded)
+
+
+def _quick(codec: Any, x: torch.Tensor) -> list[float] | None:
+    """
+    The codec's own figures for ``x`` (its optional ``round_trip_error``, one
+    pass in its kernels, see docs/codecs.rst), or ``None``: it has none, or
+    leaves ``x`` to the round trip below.
+    """
+    own = getattr(codec, "round_trip_error", None)
+    if own is None:
+        return None
+    try:
+        figures = own(x)
+        return None if figures is None else [float(figures[0]), float(figures[1])]
+    except Exception:  # noqa: BLE001 - the round trip below measures it anyway
+        return None
 
 
 def _round_trip(codec: Any, x: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,11 @@ class HalfCodec:
     def padded_size(self, input_tensor, dim_per_rank, my_rank, qcomm_ctx):
         return dim_per_rank[my_rank], 0
 
+    def round_trip_error(self, input_tensor):
+        x = input_tensor.reshape(-1).double()
+        lost = self.decode(self.encode(input_tensor)).double() - x
+        return float(lost.norm() / x.norm()), float(lost.abs().max() / x.abs().max())
+
 
 class DecodeIntoIgnoresStrides(HalfCodec):
     # reshape(-1) of a band of columns is a copy: the values never arrive.
@@ -79,6 +84,19 @@ class DecodeIntoSpills(HalfCodec):
             wider = out.as_strided((out.shape[0], out.shape[1] + 1), out.stride())
             wider.zero_()
         out.copy_(input_grad.view(out.shape))
+
+
+class RoundTripErrorOfRowsOnly(HalfCodec):
+    # Measures the first row of a 2-D input alone.
+    def round_trip_error(self, input_tensor):
+        return super().round_trip_error(
+            input_tensor[0] if input_tensor.dim() == 2 else input_tensor
+        )
+
+
+class RoundTripErrorNotAPair(HalfCodec):
+    def round_trip_error(self, input_tensor):
+        return [0.0, 0.0]
 
 
 class LyingSize(HalfCodec):
@@ -259,6 +277,8 @@ BROKEN = [
     (NoContext, "dtype", r"create_context\(\) raised TypeError: 'NoneType' object is not callable"),
     (DecodeIntoIgnoresStrides, "decode_into", "columns .* wrote -12345.0 at element 0"),
     (DecodeIntoSpills, "decode_into", "wrote outside the band"),
+    (RoundTripErrorOfRowsOnly, "round_trip_error", r"band of a wider matrix>\) gave the relative"),
+    (RoundTripErrorNotAPair, "round_trip_error", r"returned \[0.0, 0.0\], expected two floats"),
 ]
 
 
@@ -284,7 +304,8 @@ def test_broken_codec_fails_its_rule(codec_type, rule, message):
 
 def test_noop_passes():
     report = check_codec(qcomm.load_codec("noop"))
-    assert report.codec == "noop" and report.rules == RULES
+    assert report.codec == "noop" and report.rules == RULES[:-1]
+    assert report.skipped == ("round_trip_error (no round_trip_error)",)
     assert report.worst_error == 0.0
     assert str(report).startswith("noop: 12 rules passed (dtype, ctx, ")
 
@@ -295,8 +316,11 @@ def test_example_plugin_is_discovered_and_passes():
     assert entry.value == "qcomm_example_codec.codec:ScaledFP16Codec"
     codec = qcomm.load_codec("example_fp16_scaled:block_size=16")
     report = check_codec(codec)
-    # The base class gives it decode_into too.
-    assert report.skipped == ("summable (not declared summable)",)
+    # The base class gives it decode_into too (and no round_trip_error).
+    assert report.skipped == (
+        "summable (not declared summable)",
+        "round_trip_error (no round_trip_error)",
+    )
     assert 0.5 < report.worst_error <= 1.0
     # Lengths around its block of 16 are among those checked.
     assert {15, 16, 17, 31, 33, 167} <= set(report.lengths)

@@ -21,6 +21,15 @@ def _load(spec: str) -> AdaptiveCodec:
     return codec
 
 
+@pytest.fixture(params=["own figures", "encoded and decoded"])
+def measured_by(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each measurement twice: with the built-in codecs' C kernels (their own
+    round_trip_error), and with qcomm encoding and decoding the sample."""
+    if request.param == "encoded and decoded":
+        monkeypatch.setattr(_measure, "_quick", lambda codec, x: None)
+    return str(request.param)
+
+
 def _record(codec: str = "int8") -> CallRecord:
     return CallRecord("all_to_all_pooled forward", 0, codec, (0.0,), (0.0,), 10, 40)
 
@@ -204,7 +213,9 @@ def test_an_adaptive_codec_pickles_with_its_options_and_a_fresh_choice() -> None
     assert copy.current("c") == 1 and error_history(copy) == []
 
 
-def test_the_sample_is_measured_on_whole_scale_blocks_as_the_call_encodes_them() -> None:
+def test_the_sample_is_measured_on_whole_scale_blocks_as_the_call_encodes_them(
+    measured_by: str,
+) -> None:
     int8 = qcomm.load_codec("int8")
     x = torch.randn(64, 96)
     x[5, 3] = 1e4  # one row's scale, and only that row's, is wrecked
@@ -215,13 +226,15 @@ def test_the_sample_is_measured_on_whole_scale_blocks_as_the_call_encodes_them()
     assert top == pytest.approx(float(lost.abs().max() / x.abs().max()), rel=1e-5)
 
 
-def test_an_underflowing_codec_measures_a_relative_error_of_one() -> None:
+def test_an_underflowing_codec_measures_a_relative_error_of_one(measured_by: str) -> None:
     fp16 = qcomm.load_codec("fp16")
     rms, top = _measure._error(fp16, torch.randn(1000) * 1e-9, torch.float32)
     assert rms == pytest.approx(1.0) and top == pytest.approx(1.0)
 
 
-def test_a_saturating_codec_measures_its_loss_and_nonfinite_inputs_are_left_out() -> None:
+def test_a_saturating_codec_measures_its_loss_and_nonfinite_inputs_are_left_out(
+    measured_by: str,
+) -> None:
     fp16 = qcomm.load_codec("fp16")
     x = torch.ones(100)
     x[0] = 1e6  # fp16 saturates at 65504: most of this value is lost
@@ -231,7 +244,7 @@ def test_a_saturating_codec_measures_its_loss_and_nonfinite_inputs_are_left_out(
     assert _measure._error(fp16, x, torch.float32)[0] == 0.0
 
 
-def test_an_all_zero_sample_measures_no_error() -> None:
+def test_an_all_zero_sample_measures_no_error(measured_by: str) -> None:
     mx4 = qcomm.load_codec("mx4")
     assert _measure._error(mx4, torch.zeros(64), torch.float32) == [0.0, 0.0]
 
