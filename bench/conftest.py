@@ -50,7 +50,10 @@ def _ratio(base: float, ours: float) -> str:
 
 @pytest.fixture(scope="session")
 def bench_measuring(request: pytest.FixtureRequest) -> dict[tuple[str, str], float]:
-    """Where bench_measure records its medians: (codec, "measure" or "call") -> seconds."""
+    """
+    Where bench_measure records its medians: (codec, "measure", "round trip"
+    or "call") -> seconds.
+    """
     return request.config.stash.setdefault(_MEASURING, {})
 
 
@@ -64,9 +67,11 @@ def _measuring_summary(tr: Any, times: dict[tuple[str, str], float]) -> None:
     tr.section("measuring a call's error, beside encoding and decoding a 1 MiB call (medians)")
     for name in names:
         measure, call = times[(name, "measure")], times[(name, "call")]
+        trip = times.get((name, "round trip"), math.nan)
         tr.write_line(
-            f"{name:<10} measure {measure * 1e6:7.1f} us   1 MiB encode+decode "
-            f"{call * 1e6:8.1f} us   ({measure / call:.1%})"
+            f"{name:<10} measure {measure * 1e6:7.1f} us (by encoding and decoding "
+            f"{trip * 1e6:5.1f} us)   1 MiB encode+decode {call * 1e6:8.1f} us   "
+            f"({measure / call:.1%})"
         )
 
 

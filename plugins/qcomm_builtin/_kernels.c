@@ -551,7 +551,52 @@ static int error_norms(const float *x, const float *y, size_t n, double out[2]) 
     return 0;
 }
 
-enum { ROUND_TRIP_INT8, ROUND_TRIP_FP8, ROUND_TRIP_MX4 };
+enum { ROUND_TRIP_INT8, ROUND_TRIP_FP8, ROUND_TRIP_MX4, ROUND_TRIP_FP16, ROUND_TRIP_BF16 };
+
+/* half.py's round trip without a loss scale: the cast to the 16-bit format
+ * (round to nearest even, as torch casts), the result clamped to its largest
+ * finite value (NaN stays NaN), and back to float32, which is exact. fp16
+ * needs the compiler's _Float16, whose conversions are IEEE's. */
+#if defined(__FLT16_MANT_DIG__)
+#define HAVE_FP16 1
+INLINE void fp16_round_trips_body(const float *x, size_t n, float *y) {
+    for (size_t i = 0; i < n; i++) {
+        float h = (float)(_Float16)x[i];
+        y[i] = h > 65504.0f ? 65504.0f : h < -65504.0f ? -65504.0f : h;
+    }
+}
+#if X86_DISPATCH
+/* The baseline ISA converts by a library call per element; F16C (on every
+ * CPU with AVX2 here) has instructions for it. */
+static int have_f16c;
+__attribute__((noinline)) static void fp16_round_trips_base(const float *x, size_t n, float *y) {
+    fp16_round_trips_body(x, n, y);
+}
+__attribute__((noinline, target("avx2,fma,f16c"))) static void
+fp16_round_trips_f16c(const float *x, size_t n, float *y) {
+    fp16_round_trips_body(x, n, y);
+}
+static void fp16_round_trips(const float *x, size_t n, float *y) {
+    if (have_avx2 && have_f16c)
+        fp16_round_trips_f16c(x, n, y);
+    else
+        fp16_round_trips_base(x, n, y);
+}
+#else
+KERNEL1(fp16_round_trips, (const float *x, size_t n, float *y), (x, n, y))
+#endif
+#else
+#define HAVE_FP16 0
+#endif
+
+/* torch's float32 -> bfloat16 (c10's round_to_nearest_even: a NaN becomes
+ * the quiet NaN 0x7FC0) and back. */
+INLINE float bf16_round_trip(float v) {
+    uint32_t u = f2u(v);
+    uint32_t b = v != v ? 0x7FC00000u : ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16;
+    float h = u2f(b), top = u2f(0x7F7F0000u);
+    return h > top ? top : h < -top ? -top : h;
+}
 
 /* error_norms of `runs` runs of `length` floats, `stride` floats apart
  * (whole blocks each; one run may end in a partial block), encoded and
@@ -562,14 +607,24 @@ static int round_trip_error(int kind, const float *src, size_t runs, size_t leng
     size_t n = runs * length, blocks = (n + block - 1) / block, floats = blocks * block;
     size_t per_block = kind == ROUND_TRIP_INT8  ? block + 8
                        : kind == ROUND_TRIP_FP8 ? fp8_values_bytes(block) + 8
-                                                : block / 2 + 1;
+                       : kind == ROUND_TRIP_MX4 ? block / 2 + 1
+                                                : 0;
+    if (kind == ROUND_TRIP_FP16 && !HAVE_FP16)
+        return -3;
     float *x = malloc(n * sizeof(float));
-    uint8_t *wire = malloc(blocks * per_block);
+    uint8_t *wire = malloc(blocks * per_block + 1);
     float *y = malloc(floats * sizeof(float));
     int rc = x == NULL || wire == NULL || y == NULL ? -2 : 0;
     for (size_t r = 0; rc == 0 && r < runs; r++)
         memcpy(x + r * length, src + r * stride, length * sizeof(float));
-    if (rc == 0 && kind == ROUND_TRIP_INT8) {
+    if (rc == 0 && kind == ROUND_TRIP_BF16) {
+        for (size_t i = 0; i < n; i++)
+            y[i] = bf16_round_trip(x[i]);
+#if HAVE_FP16
+    } else if (rc == 0 && kind == ROUND_TRIP_FP16) {
+        fp16_round_trips(x, n, y);
+#endif
+    } else if (rc == 0 && kind == ROUND_TRIP_INT8) {
         rc = int8_encode(x, n, wire, block) < 0 ? -2 : 0;
         if (rc == 0)
             int8_decode(wire, blocks, block, y, floats, floats, flag);
@@ -577,7 +632,7 @@ static int round_trip_error(int kind, const float *src, size_t runs, size_t leng
         rc = fp8_encode(x, n, wire, block, flag) < 0 ? -2 : 0;
         if (rc == 0)
             fp8_decode_rows(wire, blocks, block, y, floats, floats, flag);
-    } else if (rc == 0) {
+    } else if (rc == 0 && kind == ROUND_TRIP_MX4) {
         rc = mx4_encode(x, n, wire, block, flag, table) < 0 ? -2 : 0;
         if (rc == 0)
             mx4_decode(wire, blocks, block, y, floats, floats);
@@ -773,8 +828,9 @@ static PyObject *py_mx4_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The two errors as a tuple, None where an input or a decoded value is not
- * finite, MemoryError where memory ran out. */
+/* The two errors as a tuple; None where an input or a decoded value is not
+ * finite, or the codec's round trip is not built here (fp16 without
+ * _Float16); MemoryError where memory ran out. */
 static PyObject *errors_result(int rc, const double out[2]) {
     if (rc == -2)
         return PyErr_NoMemory();
@@ -808,9 +864,10 @@ static PyObject *py_error_norms(PyObject *self, PyObject *args) {
 PyDoc_STRVAR(round_trip_error_doc,
              "round_trip_error(codec, src, runs, length, stride, block, flag, table)\n--\n\n"
              "error_norms of runs runs of length float32 at src, stride floats apart, against "
-             "what codec ('int8', 'fp8' or 'mx4') decodes of its own encoding of them, with block "
-             "its row_dim or group_size; flag: int8_decode's fused, fp8's e5m2, mx4's pre_round; "
-             "table: mx4's (else 0).");
+             "what codec ('int8', 'fp8', 'mx4', 'fp16' or 'bf16', the last two without a loss "
+             "scale) decodes of its own encoding of them, with block its row_dim or group_size "
+             "(1 for fp16 and bf16); flag: int8_decode's fused, fp8's e5m2, mx4's pre_round; "
+             "table: mx4's (else 0). None where fp16 is not built here.");
 
 static PyObject *py_round_trip_error(PyObject *self, PyObject *args) {
     const char *codec;
@@ -828,8 +885,13 @@ static PyObject *py_round_trip_error(PyObject *self, PyObject *args) {
         kind = ROUND_TRIP_FP8;
     else if (strcmp(codec, "mx4") == 0)
         kind = ROUND_TRIP_MX4;
+    else if (strcmp(codec, "fp16") == 0)
+        kind = ROUND_TRIP_FP16;
+    else if (strcmp(codec, "bf16") == 0)
+        kind = ROUND_TRIP_BF16;
     else
-        return PyErr_Format(PyExc_ValueError, "codec must be 'int8', 'fp8' or 'mx4', got %R",
+        return PyErr_Format(PyExc_ValueError,
+                            "codec must be 'int8', 'fp8', 'mx4', 'fp16' or 'bf16', got %R",
                             PyTuple_GET_ITEM(args, 0));
     if (check_count("runs", runs, 1) || check_count("length", length, 1) ||
         check_count("stride", stride, length) || check_count("runs * length", runs * length, 1) ||
@@ -894,6 +956,9 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__kernels(void) {
 #if X86_DISPATCH
     have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#if HAVE_FP16
+    have_f16c = __builtin_cpu_supports("f16c");
+#endif
 #endif
     fp8_build_tables();
     if (MX4_PAIRS == NULL && mx4_build_table() < 0)

@@ -96,7 +96,8 @@ def round_trip_error(
 
     The relative RMS and largest errors of ``x`` encoded and decoded by the
     kernels of ``codec`` (``"int8"``, ``"fp8"`` or ``"mx4"``; ``flag`` and
-    ``table`` as their decoder and encoder take them), in one call; ``None``
+    ``table`` as their decoder and encoder take them; or ``"fp16"`` or
+    ``"bf16"`` without a loss scale, ``block`` 1), in one call; ``None``
     where the kernels are missing, ``x`` is not a float32 CPU tensor, or a
     value is not finite (qcomm then encodes and decodes itself). ``x``: 1-D,
     or 2-D rows of whole blocks, read where they lie (rows may be apart).

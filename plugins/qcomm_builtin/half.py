@@ -14,7 +14,7 @@ import torch
 from qcomm import CodecInfo, ElementwiseCodec
 from qcomm.collectives._buffers import empty
 from qcomm.types import dtype_bits
-from qcomm_builtin._native import error_norms
+from qcomm_builtin._native import error_norms, round_trip_error
 
 __all__ = ["BF16Codec", "FP16Codec"]
 
@@ -118,11 +118,13 @@ class _HalfCodec(ElementwiseCodec):
         round_trip_error(input_tensor: Tensor) -> tuple[float, float] | None
 
         The relative RMS and largest errors of ``decode(encode(input_tensor))``,
-        summed by the C kernels (see :doc:`codecs`); ``None`` off the CPU or
-        without them.
+        from the C kernels (see :doc:`codecs`), in one pass without a loss
+        scale; ``None`` off the CPU or without them.
         """
         if input_tensor.device.type != "cpu" or input_tensor.dtype != torch.float32:
             return None
+        if self._loss_scale is None:  # the whole round trip in one kernel call
+            return round_trip_error(self._name, input_tensor, 1, False)
         return error_norms(input_tensor, self.dequantize(self.quantize(input_tensor)))
 
     def __repr__(self) -> str:

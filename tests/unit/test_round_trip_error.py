@@ -6,6 +6,7 @@ measurement) against qcomm's own, and the measurement's use of it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -58,9 +59,25 @@ def _samples(block: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-@needs_kernels
+def _isas() -> list[str]:
+    if kernels is None:
+        return ["none"]
+    return ["baseline"] + (["avx2"] if kernels.isa() == "avx2" else [])
+
+
+@pytest.fixture(params=_isas())
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each compiled copy of the kernels this CPU runs (fp16's F16C one among them)."""
+    if kernels is None:
+        pytest.skip("the C kernels are not built here")
+    before = kernels.isa()
+    kernels.isa(request.param)
+    yield request.param
+    kernels.isa(before)
+
+
 @pytest.mark.parametrize("spec", SPECS)
-def test_a_codecs_own_figures_are_qcomms_measurement(spec: str) -> None:
+def test_a_codecs_own_figures_are_qcomms_measurement(spec: str, isa: str) -> None:
     codec: Any = qcomm.load_codec(spec)
     block = max(1, qcomm.codec_info(codec).error_block)
     for label, sample in _samples(block):
@@ -180,7 +197,9 @@ def test_a_chunks_sample_is_runs_of_whole_blocks_spread_over_it() -> None:
 def test_the_kernels_refuse_bad_arguments_naming_them() -> None:
     x = torch.randn(64)
     p = x.data_ptr()
-    with pytest.raises(ValueError, match="codec must be 'int8', 'fp8' or 'mx4', got 'int4'"):
+    with pytest.raises(
+        ValueError, match="codec must be .int8., .fp8., .mx4., .fp16. or .bf16., got .int4."
+    ):
         kernels.round_trip_error("int4", p, 1, 64, 64, 32, True, 0)
     with pytest.raises(ValueError, match="runs must be in"):
         kernels.round_trip_error("int8", p, 0, 64, 64, 32, True, 0)
