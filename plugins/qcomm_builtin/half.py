@@ -121,10 +121,10 @@ class _HalfCodec(ElementwiseCodec):
         from the C kernels (see :doc:`codecs`), in one pass without a loss
         scale; ``None`` off the CPU or without them.
         """
-        if input_tensor.device.type != "cpu" or input_tensor.dtype != torch.float32:
-            return None
         if self._loss_scale is None:  # the whole round trip in one kernel call
             return round_trip_error(self._name, input_tensor, 1, False)
+        if input_tensor.device.type != "cpu" or input_tensor.dtype != torch.float32:
+            return None
         return error_norms(input_tensor, self.dequantize(self.quantize(input_tensor)))
 
     def __repr__(self) -> str:

@@ -148,17 +148,18 @@ class Meter:
             if not self._on[i]:
                 out.append([math.nan, math.nan])
                 continue
-            sample = _joined(self._samples[i])
+            parts = self._samples[i]
+            sample = parts[0] if len(parts) == 1 else _joined(parts)
             if isinstance(side.codec, AdaptiveCodec):
                 out += [_error(c, sample, side.coding.dtype) for c in side.codec.candidates]
             else:
                 out.append(_error(side.codec, sample, side.coding.dtype))
         self._samples = [[] for _ in self.sides]
-        if not any(isinstance(o, torch.Tensor) for o in out):
+        on_device = [o for o in out if type(o) is not list]
+        if not on_device:
             # Rounded to the float32 the status carries: this rank's own
             # figures are then exactly those its peers read.
             return array.array("f", itertools.chain.from_iterable(out)).tolist()
-        on_device = [o for o in out if isinstance(o, torch.Tensor)]
         device = on_device[0].device
         return torch.cat(
             [torch.as_tensor(o, dtype=torch.float64, device=device).reshape(-1) for o in out]
@@ -178,8 +179,8 @@ class Meter:
         record and each adaptive codec's choice; the guard's error to raise, if any.
         """
         nan = [math.nan] * (2 * self.slots)
-        theirs = protocol.errors
-        rows = [theirs.get(p, nan) for p in range(world)]
+        # Each rank's slots: theirs.get(rank, nan), in C.
+        rows = list(map(protocol.errors.get, range(world), itertools.repeat(nan, world)))
         rows[rank] = protocol.own_errors()
         failure = None
         at = 0
@@ -211,12 +212,8 @@ class Meter:
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The parts of a sample as one tensor: the part itself where it is one, else a copy (1-D)."""
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat([p.reshape(-1) for p in parts])
+    """The parts of a sample as one 1-D tensor (a copy; ``None`` where there are none)."""
+    return torch.cat([p.reshape(-1) for p in parts]) if parts else None
 
 
 def _granule(coding: Coding, region: Any) -> int:
