@@ -155,7 +155,7 @@ class Meter:
             else:
                 out.append(_error(side.codec, sample, side.coding.dtype))
         self._samples = [[] for _ in self.sides]
-        on_device = [o for o in out if type(o) is not list]
+        on_device = [o for o in out if isinstance(o, torch.Tensor)]
         if not on_device:
             # Rounded to the float32 the status carries: this rank's own
             # figures are then exactly those its peers read.
