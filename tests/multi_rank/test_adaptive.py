@@ -11,7 +11,9 @@ on it, on 3 gloo ranks and both transports (one spawn each, every case in it):
   call;
 - a plain codec's calls are recorded with every rank's error where the
   setting ``measure_errors`` is on (off by default), ranks differing in it
-  included.
+  included;
+- an adaptive registry built here and handed to the spawned ranks adapts
+  there as a codec made in the rank does.
 
 Every rank's record of every call is the same: each reads the others' errors
 from their statuses.
@@ -56,9 +58,10 @@ def _used(records: list[Any]) -> list[tuple[str, float]]:
     return [(r.codec, r.worst) for r in records]
 
 
-def _underflow(rank: int) -> dict[str, Any]:
+def _underflow(rank: int, codec: Any = None) -> dict[str, Any]:
     """Rank 1's data drops below fp16's range at call 5."""
-    codec = qcomm.load_codec("adaptive:fp16|bf16,max_error=0.01,window=2")
+    if codec is None:
+        codec = qcomm.load_codec("adaptive:fp16|bf16,max_error=0.01,window=2")
     exact = []
     for call in range(10):
         x = _data(rank, call, 1e-9 if rank == 1 and call >= 5 else 1.0)
@@ -157,9 +160,12 @@ def _plain(rank: int) -> dict[str, Any]:
     return {"before": before, "records": qcomm.error_history(pair)}
 
 
-def _worker(rank: int, world: int) -> dict[str, Any]:
+def _worker(rank: int, world: int, registry: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
+    # ``registry`` was built in the pytest process and pickled by the spawn.
+    spawned = registry["POOLED_EMBEDDINGS_ALL_TO_ALL"].forward
     return {
+        "spawned": _underflow(rank, spawned) | {"type": type(spawned).__name__},
         "underflow": _underflow(rank),
         "heavy_tails": _heavy_tails(rank),
         "guard_raises": _guard_raises(rank),
@@ -171,7 +177,10 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
-    return run_ranks(_worker, WORLD, timeout=300.0, env=transport_env(request.param))
+    registry = qcomm.build_registry(
+        forward="adaptive:fp16|bf16,max_error=0.01,window=2", backward="bf16"
+    )
+    return run_ranks(_worker, WORLD, registry, timeout=300.0, env=transport_env(request.param))
 
 
 def test_fp16_switches_to_bf16_from_the_call_after_one_ranks_data_underflows(
@@ -192,6 +201,24 @@ def test_fp16_switches_to_bf16_from_the_call_after_one_ranks_data_underflows(
         assert [_key(r) for r in records[rank]] == [_key(r) for r in records[0]], rank
         exact = results[rank]["underflow"]["exact"]
         assert exact == [True] * 5 + [rank == 1] + [True] * 4, (rank, exact)
+
+
+def test_an_adaptive_registry_handed_to_spawned_ranks_adapts_there(
+    results: list[dict[str, Any]],
+) -> None:
+    # Built in this process, pickled by the spawn: each rank's copy starts
+    # afresh and switches exactly as a codec made in the rank does.
+    for rank in range(WORLD):
+        spawned = results[rank]["spawned"]
+        assert spawned["type"] == "AdaptiveCodec"
+        # The same calls, ten call numbers apart (they ran first).
+        mine = [
+            _key(r._replace(number=r.number - 10)) for r in results[rank]["underflow"]["records"]
+        ]
+        assert [_key(r) for r in spawned["records"]] == mine, rank
+        assert spawned["exact"] == results[rank]["underflow"]["exact"], rank
+    used = [r.codec for r in results[0]["spawned"]["records"]]
+    assert used == ["bf16", "bf16"] + ["fp16"] * 4 + ["bf16"] * 4, used
 
 
 def _key(record: Any) -> tuple[Any, ...]:
