@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import os
 import pathlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 from counting import counting
 from fake_dists import GOOD_CODEC, activate, make_dist
 
-from qcomm import config
+from qcomm import config, torchrec_exchange
 
 
 def _qcomm_variables() -> dict[str, str]:
@@ -35,6 +36,20 @@ def _settings_read_anew() -> Iterator[None]:
     yield
     after = _qcomm_variables()
     assert after == before, f"the test left qcomm's variables changed: {before} -> {after}"
+
+
+@pytest.fixture(autouse=True)
+def _torchrec_door_as_found() -> Iterator[None]:
+    # Autouse: a test that installs or uninstalls qcomm's exchange in
+    # TorchRec (or holds its automatic install off) leaves the next tests the
+    # door as it found it, whatever order the tests run in.
+    was, held = torchrec_exchange.installed(), torchrec_exchange._held_off
+    finders = [f for f in sys.meta_path if isinstance(f, torchrec_exchange._AfterImport)]
+    yield
+    if torchrec_exchange.installed() != was:
+        torchrec_exchange.install() if was else torchrec_exchange.uninstall()
+    torchrec_exchange._held_off = held
+    sys.meta_path[:0] = [f for f in finders if f not in sys.meta_path]
 
 
 @pytest.fixture
