@@ -93,8 +93,7 @@ class CallLog:
             record (CallRecord): one call.
         """
         with self._lock:
-            # order is the last field: a new tuple, as _replace makes, for less
-            self._records.append(CallRecord._make((*record[:-1], next(_order))))
+            self._records.append(record._replace(order=next(_order)))
 
     def records(self) -> list[CallRecord]:
         r"""

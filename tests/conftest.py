@@ -46,8 +46,10 @@ def _torchrec_door_as_found() -> Iterator[None]:
     was, held = torchrec_exchange.installed(), torchrec_exchange._held_off
     finders = [f for f in sys.meta_path if isinstance(f, torchrec_exchange._AfterImport)]
     yield
-    if torchrec_exchange.installed() != was:
-        torchrec_exchange.install() if was else torchrec_exchange.uninstall()
+    if was and not torchrec_exchange.installed():
+        torchrec_exchange.install()
+    elif not was and torchrec_exchange.installed():
+        torchrec_exchange.uninstall()
     torchrec_exchange._held_off = held
     sys.meta_path[:0] = [f for f in finders if f not in sys.meta_path]
 
