@@ -212,8 +212,16 @@ class Meter:
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The parts of a sample as one 1-D tensor (a copy; ``None`` where there are none)."""
-    return torch.cat([p.reshape(-1) for p in parts]) if parts else None
+    """
+    The parts of a sample as one tensor, copied once: their runs as rows
+    where all are runs of one length (a codec's ``round_trip_error`` takes
+    rows), else 1-D; ``None`` where there are none.
+    """
+    if not parts:
+        return None
+    if all(p.dim() == 2 for p in parts) and len({p.shape[1] for p in parts}) == 1:
+        return torch.cat(parts)
+    return torch.cat([p.reshape(-1) for p in parts])
 
 
 def _granule(coding: Coding, region: Any) -> int:

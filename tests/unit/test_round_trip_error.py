@@ -213,3 +213,24 @@ def test_the_kernels_refuse_bad_arguments_naming_them() -> None:
         kernels.error_norms(p, p, 0)
     with pytest.raises(ValueError, match="src is a null pointer"):
         kernels.error_norms(0, p, 4)
+
+
+@pytest.mark.parametrize("spec", ["int8", "fp16"])
+def test_a_sample_from_several_chunks_is_measured_as_one(spec: str) -> None:
+    codec = qcomm.load_codec(spec)
+    codings = uniform(codec, 2, torch.float32)
+    side = codings.sides[0]
+
+    class Piece:
+        region = None
+        size = start = stop = 0
+
+    chunks = [torch.randn(32 * 600), torch.randn(32 * 600) * 1e-3]
+    meter = _measure.Meter(codings, [], torch.float32, [1], [True])
+    meter._quota = [_measure.SAMPLE // 2]
+    for chunk in chunks:
+        meter.take(side.coding, Piece(), chunk)
+    parts = [p.reshape(-1) for p in meter._samples[0]]
+    assert len(parts) == 2 and all(p.numel() == _measure.SAMPLE // 2 for p in parts)
+    figures = meter.errors()
+    assert figures == pytest.approx(_generic(codec, torch.cat(parts)), rel=1e-5)
