@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from counting import counting
 from fake_dists import GOOD_CODEC, activate, make_dist
+from kernel_copies import KERNELS, MISSING
 
 from qcomm import config, torchrec_exchange
 
@@ -140,3 +141,20 @@ def plugins(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.
     )
     activate(tmp_path, monkeypatch)
     return tmp_path
+
+
+def _kernel_copies() -> list[str]:
+    if KERNELS is None:
+        return ["none"]
+    return ["baseline"] + (["avx2"] if KERNELS.isa() == "avx2" else [])
+
+
+@pytest.fixture(params=_kernel_copies())
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    r"""Runs a test with each compiled copy of the kernels this CPU can run."""
+    if KERNELS is None:
+        pytest.skip(MISSING)
+    before = KERNELS.isa()
+    KERNELS.isa(request.param)
+    yield request.param
+    KERNELS.isa(before)

@@ -21,21 +21,17 @@ import math
 import os
 import shutil
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from kernel_copies import KERNELS, MISSING
 from qcomm_builtin import _fbgemm, _native, mx4
 
 import qcomm
 
-KERNELS: Any = _native._load()  # the extension module: untyped
-needs_kernels = pytest.mark.skipif(
-    KERNELS is None,
-    reason="qcomm_builtin._kernels is not there (not built: no C compiler when qcomm was "
-    "installed, or a build error): the codecs run their torch code",
-)
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason=MISSING)
 
 
 def _load(spec: str, **options: Any) -> Any:
@@ -54,24 +50,6 @@ MX4_SPECS = [
 BLOCK_SPECS = INT8_SPECS + FP8_SPECS + MX4_SPECS
 HALF_SPECS = ["fp16", "fp16:loss_scale=1024", "bf16", "bf16:loss_scale=0.375"]
 FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-def _isas() -> list[str]:
-    if KERNELS is None:
-        return ["none"]
-    current = KERNELS.isa()
-    return ["baseline"] + (["avx2"] if current == "avx2" else [])
-
-
-@pytest.fixture(params=_isas())
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    r"""Runs a test with each compiled copy of the kernels this CPU can run."""
-    if KERNELS is None:
-        pytest.skip(needs_kernels.kwargs["reason"])
-    before = KERNELS.isa()
-    KERNELS.isa(request.param)
-    yield request.param
-    KERNELS.isa(before)
 
 
 def _gen(seed: int) -> torch.Generator:

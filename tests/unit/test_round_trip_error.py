@@ -6,19 +6,18 @@ measurement) against qcomm's own, and the measurement's use of it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from kernel_copies import KERNELS, MISSING
 from qcomm_builtin import _native
 
 import qcomm
 from qcomm.collectives import _measure
 from qcomm.collectives._coding import uniform
 
-kernels: Any = _native.kernels()
-needs_kernels = pytest.mark.skipif(kernels is None, reason="the C kernels are not built here")
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason=MISSING)
 
 SPECS = [
     "int8",
@@ -57,23 +56,6 @@ def _samples(block: int) -> list[tuple[str, torch.Tensor]]:
         out.append((f"scaled by {scale}", x.reshape(-1) * scale))
     out.append(("zeros", torch.zeros(3 * block)))
     return out
-
-
-def _isas() -> list[str]:
-    if kernels is None:
-        return ["none"]
-    return ["baseline"] + (["avx2"] if kernels.isa() == "avx2" else [])
-
-
-@pytest.fixture(params=_isas())
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each compiled copy of the kernels this CPU runs (fp16's F16C one among them)."""
-    if kernels is None:
-        pytest.skip("the C kernels are not built here")
-    before = kernels.isa()
-    kernels.isa(request.param)
-    yield request.param
-    kernels.isa(before)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -166,19 +148,22 @@ def test_a_stochastic_codecs_own_figures_are_not_asked_for() -> None:
     assert (codec.calls, codec.encodes) == (0, 1)
 
 
+class _Piece:
+    """A chunk of no region (what Meter.take reads of a piece)."""
+
+    region = None
+    size = start = stop = 0
+
+
 def test_a_chunks_sample_is_runs_of_whole_blocks_spread_over_it() -> None:
     int8 = qcomm.load_codec("int8")
     codings = uniform(int8, 2, torch.float32)
     side = codings.sides[0]
 
-    class Piece:
-        region = None
-        size = start = stop = 0
-
     chunk = torch.arange(32 * 1000, dtype=torch.float32)  # 1000 blocks of 32
     meter = _measure.Meter(codings, [], torch.float32, [1], [True])
     meter._quota = [_measure.SAMPLE]
-    meter.take(side.coding, Piece(), chunk)
+    meter.take(side.coding, _Piece(), chunk)
     (sample,) = meter._samples[0]
     assert sample.data_ptr() == chunk.data_ptr()  # read in place, not copied
     blocks = sample.reshape(-1, 32)[:, 0].long() // 32
@@ -200,19 +185,19 @@ def test_the_kernels_refuse_bad_arguments_naming_them() -> None:
     with pytest.raises(
         ValueError, match="codec must be .int8., .fp8., .mx4., .fp16. or .bf16., got .int4."
     ):
-        kernels.round_trip_error("int4", p, 1, 64, 64, 32, True, 0)
+        KERNELS.round_trip_error("int4", p, 1, 64, 64, 32, True, 0)
     with pytest.raises(ValueError, match="runs must be in"):
-        kernels.round_trip_error("int8", p, 0, 64, 64, 32, True, 0)
+        KERNELS.round_trip_error("int8", p, 0, 64, 64, 32, True, 0)
     with pytest.raises(ValueError, match="stride must be in"):
-        kernels.round_trip_error("int8", p, 2, 32, 16, 32, True, 0)
+        KERNELS.round_trip_error("int8", p, 2, 32, 16, 32, True, 0)
     with pytest.raises(ValueError, match="group_size must be even"):
-        kernels.round_trip_error("mx4", p, 1, 64, 64, 31, False, p)
+        KERNELS.round_trip_error("mx4", p, 1, 64, 64, 31, False, p)
     with pytest.raises(ValueError, match="table is a null pointer"):
-        kernels.round_trip_error("mx4", p, 1, 64, 64, 32, False, 0)
+        KERNELS.round_trip_error("mx4", p, 1, 64, 64, 32, False, 0)
     with pytest.raises(ValueError, match="n must be in"):
-        kernels.error_norms(p, p, 0)
+        KERNELS.error_norms(p, p, 0)
     with pytest.raises(ValueError, match="src is a null pointer"):
-        kernels.error_norms(0, p, 4)
+        KERNELS.error_norms(0, p, 4)
 
 
 @pytest.mark.parametrize("spec", ["int8", "fp16"])
@@ -221,15 +206,11 @@ def test_a_sample_from_several_chunks_is_measured_as_one(spec: str) -> None:
     codings = uniform(codec, 2, torch.float32)
     side = codings.sides[0]
 
-    class Piece:
-        region = None
-        size = start = stop = 0
-
     chunks = [torch.randn(32 * 600), torch.randn(32 * 600) * 1e-3]
     meter = _measure.Meter(codings, [], torch.float32, [1], [True])
     meter._quota = [_measure.SAMPLE // 2]
     for chunk in chunks:
-        meter.take(side.coding, Piece(), chunk)
+        meter.take(side.coding, _Piece(), chunk)
     parts = [p.reshape(-1) for p in meter._samples[0]]
     assert len(parts) == 2 and all(p.numel() == _measure.SAMPLE // 2 for p in parts)
     figures = meter.errors()
