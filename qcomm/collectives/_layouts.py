@@ -126,7 +126,7 @@ def gather_blocks(
     call: Call,
     chunk_bytes: int | None,
     background: bool = False,
-) -> Callable[[], torch.Tensor]:
+) -> Then:
     """
     Starts sending this rank's block ``mine`` (``splits[rank]`` rows) to every
     rank, encoded once per codec, and receiving theirs (``splits[r]`` rows each);
@@ -168,7 +168,7 @@ def pooled_forward(
     codecs: list[Any],
     call: Call,
     chunk_bytes: int | None,
-) -> Callable[[], torch.Tensor]:
+) -> Then:
     """
     Starts the pooled all-to-all: rank ``k`` sends rows ``rows[r]`` of its
     ``[sum B, D_k]`` input to rank ``r``, which receives them as columns
@@ -239,7 +239,7 @@ def sequence_exchange(
     call: Call,
     chunk_bytes: int | None,
     background: bool = False,
-) -> Callable[[], torch.Tensor]:
+) -> Then:
     """
     Starts the sequence all-to-all (either pass): ``send_rows[r]`` rows of
     ``x`` to rank ``r``, ``recv_rows[s]`` rows from rank ``s``, each peer's
@@ -276,11 +276,24 @@ def sequence_exchange(
     return _then(finish, out)
 
 
-def _then(finish: Callable[[], None], out: torch.Tensor) -> Callable[[], torch.Tensor]:
+class Then:
+    """
+    Finishes an exchange, then returns its output, which exists from the
+    start (:attr:`out`: the call's output is tied into the autograd graph
+    when the call is made, see :class:`~._pending.Pending`).
+    """
+
+    __slots__ = ("_finish", "out")
+
+    def __init__(self, finish: Callable[[], None], out: torch.Tensor) -> None:
+        self._finish = finish
+        self.out = out
+
+    def __call__(self) -> torch.Tensor:
+        self._finish()
+        return self.out
+
+
+def _then(finish: Callable[[], None], out: torch.Tensor) -> Then:
     """The function that finishes the exchange, then returns ``out``."""
-
-    def done() -> torch.Tensor:
-        finish()
-        return out
-
-    return done
+    return Then(finish, out)

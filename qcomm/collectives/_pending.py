@@ -47,6 +47,26 @@ class _Collective(torch.autograd.Function):
         return (grad_input if ctx.needs_input_grad[0] else None), None, None, None
 
 
+class _Issued(_Collective):
+    """
+    The output's place in the autograd graph, made when the call is: its data
+    arrives later, written by the exchange into the tensor it aliases (which
+    needs no gradient, so that no write of it is recorded, from any thread).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        input: torch.Tensor,
+        anchor: torch.Tensor,
+        out: torch.Tensor,
+        backward: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        ctx.backward_fn = backward
+        ctx.dtype = input.dtype
+        return out.detach()
+
+
 class _Taken(torch.autograd.Function):
     """The input's place in the autograd graph when the call is made."""
 
@@ -89,9 +109,18 @@ class Pending(Awaitable[torch.Tensor]):
         input: torch.Tensor,
         finish: Callable[[], torch.Tensor],
         backward: Callable[[torch.Tensor], torch.Tensor],
+        output: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        self._input = taken(input)
+        #: the output tied into the autograd graph now, where ``finish``
+        #: fills ``output`` (known from the start) and autograd records:
+        #: one autograd function per call rather than two
+        self._issued: torch.Tensor | None = None
+        if output is not None and torch.is_grad_enabled():
+            issue: Callable[..., torch.Tensor] = _Issued.apply
+            self._issued = issue(input, _ANCHOR, output, backward)
+        else:
+            self._input = taken(input)
         self._finish: Callable[[], torch.Tensor] | None = finish
         self._backward = backward
         # Everything the call gave the current stream is issued by now.
@@ -106,10 +135,18 @@ class Pending(Awaitable[torch.Tensor]):
         _unwaited.discard(self)
         _streams.join(self._mark)
         assert finish is not None
-        output = apply(self._input, _ANCHOR, finish, self._backward)
+        if self._issued is not None:
+            finish()
+            # Waited for where autograd does not record: no graph, as a call
+            # tied in at wait() would have none.
+            output = self._issued if torch.is_grad_enabled() else self._issued.detach()
+            self._issued = None
+        else:
+            output = apply(self._input, _ANCHOR, finish, self._backward)
+            del self._input
         _streams.keep(self._mark, output)
         # Drop what the call held so that wait() frees the wire buffers.
-        del self._input, self._backward
+        del self._backward
         return output
 
     def __del__(self) -> None:

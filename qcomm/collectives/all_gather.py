@@ -112,7 +112,7 @@ def all_gather_pooled(
         with begin(backward_name, pg, grad) as back:
             return sum_blocks(grad, splits, backward, back, chunk)()
 
-    return Pending(input, finish, backward_fn)
+    return Pending(input, finish, backward_fn, finish.out)
 
 
 def _splits(rows: Any, world: int, splits: list[Any] | None) -> list[Any]:

@@ -120,8 +120,8 @@ def all_to_all_pooled(
         forward, backward = call.by_peer(forward), call.by_peer(backward)
         finish = pooled_forward(input.detach(), batches, dims, forward, call, chunk)
         # Named after its forward call: ranks that run their backward passes
-        # in different orders (outputs waited for in different orders) raise
-        # instead of swapping gradients.
+        # in different orders (one backward() per output, called in other
+        # orders) raise instead of swapping gradients.
         backward_name = f"all_to_all_pooled backward of call {call.number}"
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ def all_to_all_pooled(
         with begin(backward_name, pg, grad) as back:
             return pooled_backward(grad, batches, dims, backward, back, divide, chunk)
 
-    return Pending(input, finish, backward_fn)
+    return Pending(input, finish, backward_fn, finish.out)
 
 
 def all_to_all_sequence(
@@ -215,8 +215,8 @@ def all_to_all_sequence(
             input.detach(), sends, recvs, forward, call, chunk, background=True
         )
         # Named after its forward call: ranks that run their backward passes
-        # in different orders (outputs waited for in different orders) raise
-        # instead of swapping gradients.
+        # in different orders (one backward() per output, called in other
+        # orders) raise instead of swapping gradients.
         backward_name = f"all_to_all_sequence backward of call {call.number}"
 
     def backward_fn(grad: torch.Tensor) -> torch.Tensor:
@@ -224,7 +224,7 @@ def all_to_all_sequence(
             # grad comes in the input's dtype (Pending casts it).
             return sequence_exchange(grad, recvs, sends, backward, back, chunk)()
 
-    return Pending(input, finish, backward_fn)
+    return Pending(input, finish, backward_fn, finish.out)
 
 
 def _at(values: list[Any] | None, index: int) -> Any:

@@ -1,8 +1,11 @@
 """What ranks do between a call and its backward pass (one spawn of 2 gloo ranks):
 
-- two calls waited for in different orders on the two ranks never swap their
-  backward passes: every rank raises a ``CodecError`` (by default, and with
-  ``QCOMM_VERIFY=1``) instead of mixing gradients;
+- two all-to-alls waited for in different orders on the two ranks run their
+  backward passes in the order they were made, on both, with every input's
+  own gradient (their outputs join the autograd graph when they are made);
+- backward passes run in different orders on the two ranks never swap: every
+  rank raises a ``CodecError`` (by default, and with ``QCOMM_VERIFY=1``)
+  instead of mixing gradients;
 - a rank whose pooled input needs no gradient (no tables, or frozen ones)
   still takes part in the backward pass its peer runs (no wait until the
   group's timeout);
@@ -55,20 +58,33 @@ def in_step(rank: int, world: int) -> None:
 
 
 def case_wait_order(rank: int, world: int) -> None:
-    """Outputs waited for in different orders: backward passes do not swap."""
+    """Outputs waited for, or backward passes run, in different orders."""
     batches, dims = [2] * world, [4] * world
     for verify in ("first", "always"):
         with config.configured(verify=verify):
+            # Rank 0 waits for a then b, rank 1 for b then a; each weighs the
+            # output it waited for first by 1 and the other by 10. The graph
+            # follows the order the calls were made, alike on both ranks.
             a = torch.full((sum(batches), dims[rank]), 1.0, requires_grad=True)
             b = torch.full((sum(batches), dims[rank]), 2.0, requires_grad=True)
             pa = qcomm.all_to_all_pooled(a, batches, dims)
             pb = qcomm.all_to_all_pooled(b, batches, dims)
-            # Rank 0 waits for a then b, rank 1 for b then a: autograd runs
-            # the backward passes in reverse order of their outputs.
             first, second = (pa, pb) if rank == 0 else (pb, pa)
             out_first, out_second = first.wait(), second.wait()
-            loss = out_first.sum() + 10.0 * out_second.sum()
-            raises_promptly(("backward",), loss.backward)
+            (out_first.sum() + 10.0 * out_second.sum()).backward()
+            # Block s of an input's gradient is rank s's weight of its output.
+            weight_a = torch.tensor([1.0] + [10.0] * (world - 1))
+            expected_a = weight_a.repeat_interleave(2)[:, None].expand_as(a)
+            expected_b = (11.0 - weight_a).repeat_interleave(2)[:, None].expand_as(b)
+            assert a.grad is not None and torch.equal(a.grad, expected_a), (verify, a.grad)
+            assert b.grad is not None and torch.equal(b.grad, expected_b), (verify, b.grad)
+            # Backward passes run one by one, in different orders: they must
+            # not swap.
+            a.grad = b.grad = None
+            out_a = qcomm.all_to_all_pooled(a, batches, dims).wait()
+            out_b = qcomm.all_to_all_pooled(b, batches, dims).wait()
+            in_order = (out_a, out_b) if rank == 0 else (out_b, out_a)
+            raises_promptly(("backward",), lambda pair=in_order: _one_by_one(*pair))
         in_step(rank, world)
     # Waited in the same order, the gradients are each input's own.
     a = torch.ones(sum(batches), dims[rank], requires_grad=True)
@@ -78,6 +94,11 @@ def case_wait_order(rank: int, world: int) -> None:
     (out_a.sum() + 10.0 * out_b.sum()).backward()
     assert a.grad is not None and b.grad is not None
     assert torch.equal(a.grad, torch.ones_like(a)) and torch.equal(b.grad, torch.full_like(b, 10.0))
+
+
+def _one_by_one(*outputs: torch.Tensor) -> None:
+    for out in outputs:
+        out.sum().backward()
 
 
 def case_no_gradient_on_one_rank(rank: int, world: int) -> None:
