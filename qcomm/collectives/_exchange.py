@@ -15,6 +15,7 @@ same bits as an unchunked one.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -181,7 +182,10 @@ def copy_in_parts(target: torch.Tensor, source: torch.Tensor) -> Callable[[int, 
 
 def copy_block(target: torch.Tensor, source: torch.Tensor, lo: int, hi: int) -> None:
     """Copies rows ``lo:hi`` of ``source`` into ``target`` (a part of the own block)."""
-    target[lo:hi].copy_(source[lo:hi])
+    if lo == 0 and hi == source.shape[0]:  # whole: one step, not two slices and a copy
+        target.copy_(source)
+    else:
+        target[lo:hi].copy_(source[lo:hi])
 
 
 class Piece(NamedTuple):
@@ -224,6 +228,8 @@ class Plan(NamedTuple):
     """
     The messages of an exchange, in sending and receiving order, and the
     index of the last one to and from each peer (the one with a status).
+    ``flows``: what travels each way, by peer, where known from the shape
+    alone (every coding a no-op's), else ``None`` (see :func:`_flows`).
     """
 
     sends: list[Send]
@@ -231,6 +237,7 @@ class Plan(NamedTuple):
     peers: list[int]
     last_out: dict[int, int]
     last_in: dict[int, int]
+    flows: dict[int, Flows] | None = None
 
 
 #: ``encoded(piece, x, wire, ctx)``: the caller's hook that hears of every
@@ -238,6 +245,31 @@ class Plan(NamedTuple):
 Encoded = Callable[[Piece, torch.Tensor, torch.Tensor, Any], None]
 
 _NOTHING = Piece(None, 0, 0, 0)
+
+
+class _Shape(NamedTuple):
+    """
+    A plan without its tensors: each message's ``(peers or peer, region
+    index, start, stop)`` (index -1: a status alone), the rest of :class:`Plan`.
+    Shared by the plans made from it, which read it only.
+    """
+
+    sends: list[tuple[list[int], int, int, int]]
+    receives: list[tuple[int, int, int, int]]
+    peers: list[int]
+    last_out: dict[int, int]
+    last_in: dict[int, int]
+    flows: dict[int, Flows] | None
+
+
+# Plans kept by shape (the regions' kinds and sizes, their codings'
+# alignment, the transport): a call of a shape seen before binds its regions
+# to the kept cuts instead of cutting every region and laying the plan out
+# again, which on a small call is a tenth of its Python. The oldest goes
+# beyond _KEEP_SHAPES.
+_shapes: dict[tuple[Any, ...], _Shape] = {}
+_shapes_lock = threading.Lock()
+_KEEP_SHAPES = 64
 
 
 def plan(
@@ -248,35 +280,93 @@ def plan(
     chunk_bytes: int | None,
 ) -> Plan:
     """The chunks of every region sent and received (see :func:`start_exchange`)."""
+    chunked = transport.chunked
+    how = {id(c): (c.alignment(chunked), c.identity) for c in codings.distinct}
+    key = (
+        transport.rank,
+        transport.world,
+        chunked,
+        chunk_bytes,
+        tuple([(*to, -1, type(r), r.length, r.padded, how[id(codings[to[0]])]) for to, r in sends]),
+        tuple([(p, type(r), r.length, r.padded, how[id(codings[p])]) for p, r in recvs]),
+    )
+    shape = _shapes.get(key)
+    if shape is None:
+        shape = _shape(sends, recvs, codings, transport, chunk_bytes)
+        with _shapes_lock:  # calls may come from several threads (DDP's hook)
+            if len(_shapes) >= _KEEP_SHAPES:
+                del _shapes[next(iter(_shapes))]
+            _shapes[key] = shape
+    out_regions = [r for _, r in sends]
+    in_regions = [r for _, r in recvs]
+    out = [Send(to, _piece(out_regions, i, a, b, codings[to[0]])) for to, i, a, b in shape.sends]
+    receives = [
+        Receive(p, _piece(in_regions, i, a, b, codings[p])) for p, i, a, b in shape.receives
+    ]
+    return Plan(out, receives, shape.peers, shape.last_out, shape.last_in, shape.flows)
 
-    def pieces(coding: Coding, region: Region) -> list[Piece]:
+
+def _piece(regions: list[Region], index: int, start: int, stop: int, coding: Coding) -> Piece:
+    """The piece ``[start, stop)`` of ``regions[index]`` (-1: a status alone), its wire size by ``coding``."""
+    if index < 0:
+        return _NOTHING
+    if coding.identity:  # the wire is the data
+        return Piece(regions[index], start, stop, stop - start)
+    size = quantized_sizes(coding.codec, coding.ctx, [stop - start])[0]
+    return Piece(regions[index], start, stop, size)
+
+
+def _shape(
+    sends: Sequence[tuple[list[int], Region]],
+    recvs: Sequence[tuple[int, Region]],
+    codings: PeerCodings,
+    transport: Transport,
+    chunk_bytes: int | None,
+) -> _Shape:
+    """The :class:`_Shape` of an exchange (see :func:`plan`)."""
+
+    def cuts(coding: Coding, region: Region) -> list[tuple[int, int]]:
         align = coding.alignment(transport.chunked)
-        cuts = [(0, region.length)]
-        if align is not None:
-            step = chunk_elements(region.length, chunk_bytes, coding.identity)
-            cuts = region.chunks(align, step)
-        if coding.identity:  # the wire is the data
-            return [Piece(region, a, b, b - a) for a, b in cuts]
-        return [
-            Piece(region, a, b, quantized_sizes(coding.codec, coding.ctx, [b - a])[0])
-            for a, b in cuts
-        ]
+        if align is None:
+            return [(0, region.length)]
+        step = chunk_elements(region.length, chunk_bytes, coding.identity)
+        return region.chunks(align, step)
 
-    receives = [Receive(peer, p) for peer, into in recvs for p in pieces(codings[peer], into)]
-    out: list[Send] = []
-    for to, sent in sends:
+    receives = [
+        (peer, n, a, b)
+        for n, (peer, into) in enumerate(recvs)
+        for a, b in cuts(codings[peer], into)
+    ]
+    out: list[tuple[list[int], int, int, int]] = []
+    for n, (to, region) in enumerate(sends):
         coding = codings[to[0]]
         if any(codings[p] is not coding for p in to):
             raise AssertionError("qcomm: a region sent to several peers goes with one coding")
-        out += [Send(list(to), p) for p in pieces(coding, sent)]
+        out += [(list(to), n, a, b) for a, b in cuts(coding, region)]
     peers = [p for p in range(transport.world) if p != transport.rank]
     # Every pair exchanges at least its statuses, so that every rank hears
     # from every peer whether its call went well.
-    out += [Send([p], _NOTHING) for p in peers if not any(p in s.to for s in out)]
-    receives += [Receive(p, _NOTHING) for p in peers if not any(p == r.peer for r in receives)]
-    last_out = {p: i for i, s in enumerate(out) for p in s.to}
-    last_in = {r.peer: n for n, r in enumerate(receives)}
-    return Plan(out, receives, peers, last_out, last_in)
+    out += [([p], -1, 0, 0) for p in peers if not any(p in s[0] for s in out)]
+    receives += [(p, -1, 0, 0) for p in peers if not any(p == r[0] for r in receives)]
+    last_out = {p: i for i, s in enumerate(out) for p in s[0]}
+    last_in = {r[0]: n for n, r in enumerate(receives)}
+    flows = None
+    if all(c.identity for c in codings.distinct):
+        # A no-op coding's wire is its data: the flows follow from the cuts.
+        sent: dict[int, list[int]] = {p: [] for p in peers}
+        expected: dict[int, list[int]] = {p: [] for p in peers}
+        for to, i, a, b in out:
+            for p in to:
+                if i >= 0:
+                    sent[p].append(b - a)
+        for p, i, a, b in receives:
+            if i >= 0:
+                expected[p].append(b - a)
+        flows = {
+            p: Flows(Flow(sum(sent[p]), tuple(sent[p])), Flow(sum(expected[p]), tuple(expected[p])))
+            for p in peers
+        }
+    return _Shape(out, receives, peers, last_out, last_in, flows)
 
 
 def start_exchange(
@@ -324,7 +414,8 @@ def start_exchange(
     slots = [slots_of(side) for side in codings.sides]
     on = measuring(codings.sides) if any(slots) else []
     meter = Meter(codings, steps.sends, dtype, slots, on) if any(on) else None
-    protocol = Protocol(call, codings, dtype, _flows(steps), sum(slots))
+    flows = steps.flows if steps.flows is not None else _flows(steps)
+    protocol = Protocol(call, codings, dtype, flows, sum(slots))
     if lender is not None and lender.copies:
         stage = _buffers.take(lender.copies, lender.dtype, transport.device)
         lender.stage = transport.hold(stage)
