@@ -18,6 +18,7 @@ earlier output never deadlocks.
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -83,8 +84,8 @@ def case_wait_order(rank: int, world: int) -> None:
             a.grad = b.grad = None
             out_a = qcomm.all_to_all_pooled(a, batches, dims).wait()
             out_b = qcomm.all_to_all_pooled(b, batches, dims).wait()
-            in_order = (out_a, out_b) if rank == 0 else (out_b, out_a)
-            raises_promptly(("backward",), lambda pair=in_order: _one_by_one(*pair))
+            in_order = [out_a, out_b] if rank == 0 else [out_b, out_a]
+            raises_promptly(("backward",), functools.partial(_one_by_one, *in_order))
         in_step(rank, world)
     # Waited in the same order, the gradients are each input's own.
     a = torch.ones(sum(batches), dims[rank], requires_grad=True)
