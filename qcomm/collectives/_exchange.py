@@ -647,8 +647,12 @@ def _decode(coding: Coding, wire: torch.Tensor, piece: Piece, add: bool) -> None
     assert region is not None
     target = region.target(start, stop)
     if coding.identity:
-        if target is None or wire.data_ptr() != target.data_ptr():
+        if target is None:
             region.write(start, stop, wire, add)
+        elif wire.data_ptr() != target.data_ptr():  # else it landed in place
+            # No padding: the wire is the target's elements, in order.
+            block = wire.view(target.shape)
+            target.add_(block) if add else target.copy_(block)
     elif (
         coding.decode_into is not None
         and not add

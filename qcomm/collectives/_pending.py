@@ -85,6 +85,15 @@ class _Taken(torch.autograd.Function):
         return grad
 
 
+def untracked(input: torch.Tensor) -> torch.Tensor:
+    """
+    ``input`` as the exchange reads it: detached where autograd tracks it
+    (each view taken of it would be recorded), else itself (a detach is a
+    step of its own, a fair share of a small call).
+    """
+    return input.detach() if input.requires_grad else input
+
+
 def taken(input: torch.Tensor) -> torch.Tensor:
     """What :class:`Pending` ties the output to: ``input`` as the call found it."""
     if input.requires_grad and torch.is_grad_enabled():

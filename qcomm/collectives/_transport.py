@@ -142,6 +142,9 @@ class Transport:
         self._joined: list[torch.Tensor] = []  # messages made here (wire and trailer)
         self._sends: list[tuple[int, torch.Tensor]] = []
         self._forgotten: set[int] = set()  # peers out of the call (see forget)
+        # Where a transport posts its receives itself (start), each one's
+        # 1-D wire, as posted (on the CPU: no stream to record it on).
+        self._posted: list[torch.Tensor] = []
 
     def expect(
         self, peer: int, numel: int, dtype: torch.dtype, into: torch.Tensor | None = None
@@ -195,6 +198,8 @@ class Transport:
     def received(self, handle: int) -> torch.Tensor:
         """Waits for a receive; returns its wire: ``into``, or a view of the shared buffer."""
         self._wait_for(handle)
+        if self._posted:  # the very tensors the receives were posted with
+            return self._posted[handle]
         _, _, numel, dtype, into = self._recvs[handle]
         if into is not None:
             return into.view(-1)
@@ -225,6 +230,7 @@ class Transport:
     def close(self) -> None:
         """Waits for every send and gives the receive buffer back for reuse."""
         self._sends.clear()
+        self._posted = []  # views of the buffer given back
         for message in self._joined:
             _buffers.give(message)
         self._joined = []
@@ -306,12 +312,12 @@ class PointToPoint(Transport):
             # message; every one is cleared before any receive is posted
             # (one in flight is written to at any time), and within its own
             # message only.
-            raw = buffer.numpy()
+            raw = self._raw = buffer.numpy()  # kept: the trailers are read from it
             for (_, offset, numel, dtype, _), lands in zip(self._recvs, landing):
                 if lands:
                     end = offset + numel * dtype.itemsize
                     raw[max(offset, end - self.trailer_bytes) : end] = 0
-        recv, tag, work = self.group.recv, self.tag, self._recv_work
+        recv, tag, work, posted = self.group.recv, self.tag, self._recv_work, self._posted
         for (peer, offset, numel, dtype, into), lands in zip(self._recvs, landing):
             if lands:
                 assert buffer is not None
@@ -319,9 +325,12 @@ class PointToPoint(Transport):
                 work.append(recv([target], peer, tag))
             elif numel:
                 assert into is not None
-                work.append(recv([into.view(-1)], peer, tag))
+                target = into.view(-1)
+                work.append(recv([target], peer, tag))
             else:
+                target = torch.empty(0, dtype=dtype, device=self.device)
                 work.append(None)
+            posted.append(target)
 
     def send(
         self, peer: int, wire: torch.Tensor, trailer: bytes | torch.Tensor | None = None
@@ -426,13 +435,15 @@ class OneAllToAll(Transport):
         send = _buffers.take(sum(send_sizes), torch.uint8, self.device)
         self._joined.append(send)  # given back once the all-to-all is done
         starts = [sum(send_sizes[:p]) for p in range(self.world)]
+        # On the CPU, one numpy view of the buffer takes every wire (numpy's
+        # copies cost a fraction of torch's per call, see _write).
+        raw = send.numpy() if self.device.type == "cpu" else None
         for at, peer, wire, trailer in placed:
             begin = starts[peer] + at
-            _write(
-                send[begin : begin + wire.numel() * wire.element_size() + len(trailer or b"")],
-                wire,
-                trailer,
-            )
+            if raw is not None and _write_numpy(raw[begin:], wire, trailer):
+                continue
+            size = wire.numel() * wire.element_size()
+            _write(send[begin : begin + size + len(trailer or b"")], wire, trailer)
         self._pieces = []
         # The all-to-all delivers in peer order: lay the receives out so.
         starts = [sum(recv_sizes[:p]) for p in range(self.world)]
@@ -477,17 +488,10 @@ def _trailer_elements(trailer: bytes | torch.Tensor | None, dtype: torch.dtype) 
 
 def _write(out: torch.Tensor, wire: torch.Tensor, trailer: bytes | torch.Tensor | None) -> None:
     """Writes ``wire`` then ``trailer`` into ``out`` (any dtype: its bytes are written)."""
-    size = wire.numel() * wire.element_size()
     out = out.view(torch.uint8)
-    on_cpu = out.device.type == "cpu" and wire.device.type == "cpu"
-    if on_cpu and wire.stride(-1) == 1 and not isinstance(trailer, torch.Tensor):
-        # numpy's copies cost a fraction of torch's per call: on small calls
-        # this is most of what the trailer costs.
-        raw = out.numpy()
-        raw[:size] = wire.view(torch.uint8).numpy()
-        if trailer is not None:
-            raw[size : size + len(trailer)] = numpy.frombuffer(trailer, dtype=numpy.uint8)
+    if out.device.type == "cpu" and _write_numpy(out.numpy(), wire, trailer):
         return
+    size = wire.numel() * wire.element_size()
     out[:size].view(wire.dtype).copy_(wire)
     if trailer is not None:
         tail = out[size : size + len(trailer)]
@@ -495,6 +499,22 @@ def _write(out: torch.Tensor, wire: torch.Tensor, trailer: bytes | torch.Tensor 
             tail.copy_(trailer)
         else:
             tail.copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8), non_blocking=True)
+
+
+def _write_numpy(raw: Any, wire: torch.Tensor, trailer: bytes | torch.Tensor | None) -> bool:
+    """
+    Writes ``wire`` then ``trailer`` into the bytes ``raw`` (numpy) where both
+    are on the CPU, ``wire`` dense; whether it could. numpy's copies cost a
+    fraction of torch's per call: on small calls this is most of what the
+    trailer costs.
+    """
+    if wire.device.type != "cpu" or wire.stride(-1) != 1 or isinstance(trailer, torch.Tensor):
+        return False
+    size = wire.numel() * wire.element_size()
+    raw[:size] = wire.view(torch.uint8).numpy()
+    if trailer is not None:
+        raw[size : size + len(trailer)] = numpy.frombuffer(trailer, dtype=numpy.uint8)
+    return True
 
 
 def _joined(wire: torch.Tensor, trailer: bytes | torch.Tensor) -> torch.Tensor:

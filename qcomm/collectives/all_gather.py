@@ -17,7 +17,7 @@ from qcomm.collectives._args import check_chunk_bytes, check_input, check_splits
 from qcomm.collectives._call import Call, begin
 from qcomm.collectives._compiled import Collective, define
 from qcomm.collectives._layouts import gather_blocks, sum_blocks
-from qcomm.collectives._pending import Pending
+from qcomm.collectives._pending import Pending, untracked
 
 __all__ = ["all_gather_pooled"]
 
@@ -103,7 +103,7 @@ def all_gather_pooled(
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
         forward, backward = call.by_peer(forward), call.by_peer(backward)
-        finish = gather_blocks(input.detach(), splits, forward, call, chunk, background=True)
+        finish = gather_blocks(untracked(input), splits, forward, call, chunk, background=True)
         # Named after its forward call, as the other collectives' backward passes.
         backward_name = f"all_gather_pooled backward of call {call.number}"
 

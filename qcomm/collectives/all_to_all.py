@@ -25,7 +25,7 @@ from qcomm.collectives._args import (
 from qcomm.collectives._call import Call, begin
 from qcomm.collectives._compiled import Collective, define
 from qcomm.collectives._layouts import pooled_backward, pooled_forward, sequence_exchange
-from qcomm.collectives._pending import Pending
+from qcomm.collectives._pending import Pending, untracked
 
 __all__ = ["all_to_all_pooled", "all_to_all_sequence"]
 
@@ -118,7 +118,7 @@ def all_to_all_pooled(
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
         forward, backward = call.by_peer(forward), call.by_peer(backward)
-        finish = pooled_forward(input.detach(), batches, dims, forward, call, chunk)
+        finish = pooled_forward(untracked(input), batches, dims, forward, call, chunk)
         # Named after its forward call: ranks that run their backward passes
         # in different orders (one backward() per output, called in other
         # orders) raise instead of swapping gradients.
@@ -212,7 +212,7 @@ def all_to_all_sequence(
             agree.mirror(sends, recvs)
         forward, backward = call.by_peer(forward), call.by_peer(backward)
         finish = sequence_exchange(
-            input.detach(), sends, recvs, forward, call, chunk, background=True
+            untracked(input), sends, recvs, forward, call, chunk, background=True
         )
         # Named after its forward call: ranks that run their backward passes
         # in different orders (one backward() per output, called in other

@@ -23,7 +23,7 @@ from qcomm.collectives._args import (
 from qcomm.collectives._call import Call, begin
 from qcomm.collectives._compiled import Collective, define
 from qcomm.collectives._layouts import gather_blocks, sum_blocks
-from qcomm.collectives._pending import Pending
+from qcomm.collectives._pending import Pending, untracked
 
 __all__ = ["reduce_scatter_pooled"]
 
@@ -123,7 +123,7 @@ def reduce_scatter_pooled(
             agree.same("codecs.backward", backward)
             agree.same("chunk_bytes", [chunk or 0])
         forward, backward = call.by_peer(forward), call.by_peer(backward)
-        finish = sum_blocks(input.detach(), splits, forward, call, chunk, background=True)
+        finish = sum_blocks(untracked(input), splits, forward, call, chunk, background=True)
         # Named after its forward call: ranks that run their backward passes
         # in different orders (outputs waited for in different orders) raise
         # instead of swapping gradients.
