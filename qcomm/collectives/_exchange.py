@@ -107,7 +107,8 @@ class Rows:
         return _boundaries(self.length, granule, step)
 
     def _rows(self, start: int, stop: int) -> torch.Tensor:
-        if self.padded == 0:  # no columns: one empty chunk holds every row
+        if self.padded == 0 or (start == 0 and stop == self.length):
+            # No columns (one empty chunk holds every row), or every row.
             return self.region
         return self.region[start // self.padded : stop // self.padded]
 

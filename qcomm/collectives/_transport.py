@@ -501,6 +501,10 @@ def _write(out: torch.Tensor, wire: torch.Tensor, trailer: bytes | torch.Tensor 
             tail.copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8), non_blocking=True)
 
 
+# dtypes numpy has (a wire of another is seen as bytes by torch first)
+_NUMPY = {torch.float32, torch.float16, torch.float64, torch.uint8, torch.int8, torch.int32}
+
+
 def _write_numpy(raw: Any, wire: torch.Tensor, trailer: bytes | torch.Tensor | None) -> bool:
     """
     Writes ``wire`` then ``trailer`` into the bytes ``raw`` (numpy) where both
@@ -511,15 +515,23 @@ def _write_numpy(raw: Any, wire: torch.Tensor, trailer: bytes | torch.Tensor | N
     if wire.device.type != "cpu" or wire.stride(-1) != 1 or isinstance(trailer, torch.Tensor):
         return False
     size = wire.numel() * wire.element_size()
-    raw[:size] = wire.view(torch.uint8).numpy()
+    # numpy has no bfloat16: such a wire is seen as bytes by torch first.
+    data = (
+        wire.numpy().view(numpy.uint8) if wire.dtype in _NUMPY else wire.view(torch.uint8).numpy()
+    )
+    raw[:size] = data
     if trailer is not None:
         raw[size : size + len(trailer)] = numpy.frombuffer(trailer, dtype=numpy.uint8)
     return True
 
 
 def _joined(wire: torch.Tensor, trailer: bytes | torch.Tensor) -> torch.Tensor:
-    """``wire`` followed by ``trailer``, in a buffer from ``_buffers`` (give it back)."""
-    size = wire.numel() + _trailer_elements(trailer, wire.dtype)
-    out = _buffers.take(size, wire.dtype, wire.device)
-    _write(out, wire, trailer)
+    """
+    ``wire`` followed by ``trailer``, as bytes (the size of whole elements of
+    ``wire``'s dtype), in a buffer from ``_buffers`` (give it back).
+    """
+    size = (wire.numel() + _trailer_elements(trailer, wire.dtype)) * wire.element_size()
+    out = _buffers.take(size, torch.uint8, wire.device)
+    if out.device.type != "cpu" or not _write_numpy(out.numpy(), wire, trailer):
+        _write(out, wire, trailer)
     return out
