@@ -97,6 +97,12 @@ def check_splits(
     splits: Any, name: str, world_size: int, total: int | None = None, what: str = ""
 ) -> list[int]:
     """Checks a split list: one non-negative int per rank, summing to ``total`` if given."""
+    if type(splits) is list and len(splits) == world_size and set(map(type, splits)) <= {int}:
+        # The usual list of plain ints (a bool's type is not int), checked in
+        # C steps; anything else takes the checks below, which name the fault.
+        if not splits or (min(splits) >= 0 and max(splits) < _MAX_SPLIT):
+            if total is None or sum(splits) == total:
+                return list(splits)
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
     if not isinstance(splits, Sequence) or isinstance(splits, str):

@@ -90,7 +90,10 @@ def moves_alone(group: Any, device: torch.device) -> bool:
     return name in _TABLE and _TABLE[name][2]
 
 
-@dataclass(frozen=True)
+# Compared and hashed as an object (one per group and device, see backend_of):
+# a call looks its codecs' checks up by it, and hashing its fields (a
+# frozenset among them) every call would cost more than the lookup.
+@dataclass(frozen=True, eq=False)
 class Backend:
     """What a group's backend does with one device's tensors: what a call asks, once."""
 

@@ -281,15 +281,15 @@ def plan(
     chunk_bytes: int | None,
 ) -> Plan:
     """The chunks of every region sent and received (see :func:`start_exchange`)."""
-    chunked = transport.chunked
+    chunked, by = transport.chunked, codings.by_rank
     how = {id(c): (c.alignment(chunked), c.identity) for c in codings.distinct}
     key = (
         transport.rank,
         transport.world,
         chunked,
         chunk_bytes,
-        tuple([(*to, -1, type(r), r.length, r.padded, how[id(codings[to[0]])]) for to, r in sends]),
-        tuple([(p, type(r), r.length, r.padded, how[id(codings[p])]) for p, r in recvs]),
+        tuple([(*to, -1, type(r), r.length, r.padded, how[id(by[to[0]])]) for to, r in sends]),
+        tuple([(p, type(r), r.length, r.padded, how[id(by[p])]) for p, r in recvs]),
     )
     shape = _shapes.get(key)
     if shape is None:
@@ -300,10 +300,8 @@ def plan(
             _shapes[key] = shape
     out_regions = [r for _, r in sends]
     in_regions = [r for _, r in recvs]
-    out = [Send(to, _piece(out_regions, i, a, b, codings[to[0]])) for to, i, a, b in shape.sends]
-    receives = [
-        Receive(p, _piece(in_regions, i, a, b, codings[p])) for p, i, a, b in shape.receives
-    ]
+    out = [Send(to, _piece(out_regions, i, a, b, by[to[0]])) for to, i, a, b in shape.sends]
+    receives = [Receive(p, _piece(in_regions, i, a, b, by[p])) for p, i, a, b in shape.receives]
     return Plan(out, receives, shape.peers, shape.last_out, shape.last_in, shape.flows)
 
 
@@ -511,11 +509,12 @@ def _send(
     meter: Meter | None,
 ) -> Exception | None:
     """Encodes and sends every piece to the agreeing peers; the call's failure, if any."""
+    by = codings.by_rank
     for i, (to, piece) in enumerate(steps.sends):
         targets = [p for p in to if p in agreed]
         if not targets:
             continue
-        coding = codings[to[0]]
+        coding = by[to[0]]
         if failure is None:
             try:
                 wire = _encode(coding, piece, transport.device, encoded, meter)
@@ -584,7 +583,7 @@ class _Receiver:
         self._into: list[torch.Tensor | None] = []
         for n, (peer, piece) in enumerate(steps.receives):
             into = None
-            if piece.region is not None and codings[peer].identity and not add:
+            if piece.region is not None and codings.by_rank[peer].identity and not add:
                 if steps.last_in[peer] != n:
                     into = piece.region.target(piece.start, piece.stop)
             self._into.append(into if into is not None and into.is_contiguous() else None)
@@ -592,8 +591,9 @@ class _Receiver:
     def post(self, protocol: Protocol) -> None:
         """Posts every receive on the transport, telling ``protocol`` where the statuses land."""
         self._protocol = protocol
+        by = self._codings.by_rank
         for n, (peer, piece) in enumerate(self._steps.receives):
-            wire_dtype = self._codings[peer].wire_dtype
+            wire_dtype = by[peer].wire_dtype
             last = self._steps.last_in[peer] == n
             extra = protocol.status_elements(wire_dtype) if last else 0
             handle = self._transport.expect(peer, piece.size + extra, wire_dtype, self._into[n])
@@ -622,7 +622,7 @@ class _Receiver:
                 if piece.region is None:
                     continue
                 try:
-                    _decode(self._codings[peer], wire, piece, self._add)
+                    _decode(self._codings.by_rank[peer], wire, piece, self._add)
                 except Exception:
                     # A peer that failed sent zeros: say so rather than
                     # what decoding them did.
