@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -119,12 +120,12 @@ class Agreement:
             how == "always" or (how == "first" and collective not in _verified.get(group, ()))
         )
         self.fields: dict[str, Any] = {}
+        #: ``same(name, value)`` records an argument (split list, string or
+        #: codec) that must be alike on every rank (the dict's own setter: a
+        #: call makes several, and a method of ours would cost a frame each)
+        self.same: Callable[[str, Any], None] = self.fields.__setitem__
         self.sends: list[int] | None = None
         self.recvs: list[int] | None = None
-
-    def same(self, name: str, value: Any) -> None:
-        """Records an argument (split list, string or codec) that must be alike on every rank."""
-        self.fields[name] = value
 
     def mirror(self, sends: list[int], recvs: list[int]) -> None:
         """Records the rows sent to and received from each rank (input/output splits)."""
@@ -143,7 +144,8 @@ class Agreement:
             exc = self.bad_mode
             self._settle(exc)
             raise exc
-        self._settle(exc)
+        if self.due:
+            self._settle(exc)
 
     def _settle(self, exc: BaseException | None) -> None:
         if not self.due:

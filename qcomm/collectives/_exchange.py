@@ -14,6 +14,7 @@ same bits as an unchunked one.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -68,10 +69,7 @@ def chunk_elements(length: int, chunk_bytes: int | None, identity: bool = False)
 
 def offsets(sizes: list[int]) -> list[int]:
     """Where each of ``sizes`` starts when laid end to end, and the total."""
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return out
+    return list(itertools.accumulate(sizes, initial=0))
 
 
 def send_order(rank: int, world: int) -> list[int]:
