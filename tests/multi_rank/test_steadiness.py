@@ -13,6 +13,12 @@ block, which never crosses the link, is done whole before the call returns
 before the first (on two cores that held up gloo's sending threads): the
 order of the copy and the waits is recorded. A call issued and not yet
 waited for is received and decoded in the background (counted).
+
+And a small call (16 KiB per rank), on both transports, once steady: the
+steps of torch it takes (each costs several microseconds within a call, a
+share of its floor, see docs/collectives.rst "The per-call floor"), counted
+at torch's dispatcher and held to today's count; its plan cut once, not per
+call; its output tied into the autograd graph by one function, when made.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ import pytest
 import torch
 from counting import counted
 from dist_utils import run_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import qcomm
-from qcomm.collectives import _buffers, _layouts, _transport
+from qcomm import config
+from qcomm.collectives import _buffers, _exchange, _layouts, _transport
 
 WORLD = 2
 SIZE = 64 << 20  # float32 bytes per rank
@@ -80,7 +88,60 @@ def steady_calls(rank: int, world: int) -> dict[str, Any]:
     result["order"], result["in_background"], result["right"] = _own_copy_order(
         x, batches, dims, rank
     )
+    result["small"] = {t: _small_call(rank, world, t) for t in _transport.CHOICES}
     return result
+
+
+# Torch steps of a steady 16 KiB no-op pooled all-to-all on 2 ranks, by
+# transport (TorchRec's call takes 15): a change that adds one says so here.
+MAX_STEPS = {"point_to_point": 21, "all_to_all": 20}
+SMALL = 16 << 10
+
+
+def _small_call(rank: int, world: int, transport: str) -> dict[str, Any]:
+    """A steady small call on ``transport``: its torch steps, plans cut, autograd nodes."""
+    rows = SMALL // (4 * DIM) // world * world
+    x = torch.randn(rows, DIM)
+    batches, dims = [rows // world] * world, [DIM] * world
+    steps: list[str] = []
+
+    class Steps(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            steps.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    cut: list[int] = []
+    shape = _exchange._shape
+
+    def counted_shape(*args: Any) -> Any:
+        cut.append(1)
+        return shape(*args)
+
+    with config.configured(transport=transport):
+        for _ in range(WARM):
+            qcomm.all_to_all_pooled(x, batches, dims).wait()
+        _exchange._shape = counted_shape  # type: ignore[assignment]
+        try:
+            with Steps():
+                for _ in range(CALLS):
+                    out = qcomm.all_to_all_pooled(x, batches, dims).wait()
+        finally:
+            _exchange._shape = shape  # type: ignore[assignment]
+        tracked = qcomm.all_to_all_pooled(x.requires_grad_(), batches, dims)
+        grad_fn = tracked.wait().grad_fn
+    mine = slice(rank * batches[rank], (rank + 1) * batches[rank])
+    return {
+        "steps": len(steps) / CALLS,
+        "which": sorted(set(steps)),
+        "cut": len(cut),
+        "right": torch.equal(out[:, rank * DIM : (rank + 1) * DIM], x.detach()[mine]),
+        "grad_fn": type(grad_fn).__name__,
+        "next": [type(f).__name__ for f, _ in grad_fn.next_functions if f is not None]
+        if grad_fn
+        else [],
+    }
 
 
 def _own_copy_order(
@@ -168,3 +229,28 @@ def test_pooled_all_to_all_makes_no_fresh_memory_after_warm_up(
                 f"rank {rank}, output {pattern}: page faults per call {figures['faults']}, "
                 f"expected a median of at most {MAX_MEDIAN_FAULTS}"
             )
+
+
+@pytest.mark.parametrize("transport", _transport.CHOICES)
+def test_a_steady_small_call_takes_no_more_torch_steps_than_today(
+    results: list[dict[str, Any]], transport: str
+) -> None:
+    for rank, result in enumerate(results):
+        small = result["small"][transport]
+        assert small["right"], f"rank {rank}: the own block came out wrong"
+        assert small["steps"] <= MAX_STEPS[transport], (
+            f"rank {rank}, {transport}: {small['steps']} torch steps per call, expected at most "
+            f"{MAX_STEPS[transport]}: {small['which']}"
+        )
+        assert small["cut"] == 0, f"rank {rank}, {transport}: a steady call cut its plan again"
+
+
+@pytest.mark.parametrize("transport", _transport.CHOICES)
+def test_a_call_ties_its_output_into_the_graph_with_one_function(
+    results: list[dict[str, Any]], transport: str
+) -> None:
+    for rank, result in enumerate(results):
+        small = result["small"][transport]
+        assert small["grad_fn"] == "_IssuedBackward", (rank, transport, small["grad_fn"])
+        # Its inputs: the input's gradient accumulator and the anchor's.
+        assert small["next"] == ["AccumulateGrad", "AccumulateGrad"], (rank, small["next"])
