@@ -231,12 +231,16 @@ def test_pooled_all_to_all_makes_no_fresh_memory_after_warm_up(
             )
 
 
+def _small_calls(results: list[dict[str, Any]], transport: str) -> list[tuple[int, Any]]:
+    """Every rank's figures of its small call on ``transport``."""
+    return [(rank, result["small"][transport]) for rank, result in enumerate(results)]
+
+
 @pytest.mark.parametrize("transport", _transport.CHOICES)
 def test_a_steady_small_call_takes_no_more_torch_steps_than_today(
     results: list[dict[str, Any]], transport: str
 ) -> None:
-    for rank, result in enumerate(results):
-        small = result["small"][transport]
+    for rank, small in _small_calls(results, transport):
         assert small["right"], f"rank {rank}: the own block came out wrong"
         assert small["steps"] <= MAX_STEPS[transport], (
             f"rank {rank}, {transport}: {small['steps']} torch steps per call, expected at most "
@@ -249,8 +253,7 @@ def test_a_steady_small_call_takes_no_more_torch_steps_than_today(
 def test_a_call_ties_its_output_into_the_graph_with_one_function(
     results: list[dict[str, Any]], transport: str
 ) -> None:
-    for rank, result in enumerate(results):
-        small = result["small"][transport]
+    for rank, small in _small_calls(results, transport):
         assert small["grad_fn"] == "_IssuedBackward", (rank, transport, small["grad_fn"])
         # Its inputs: the input's gradient accumulator and the anchor's.
         assert small["next"] == ["AccumulateGrad", "AccumulateGrad"], (rank, small["next"])
