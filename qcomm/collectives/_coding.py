@@ -79,6 +79,29 @@ class Coding:
         return padded_lengths(self.codec, self.ctx, lengths, index, device, probe=probe)
 
 
+# qcomm's no-op codings, made once per codec object and data dtype: they
+# read no context (no encoding, no decoding, no padding), and making one
+# (a context, the wire dtype, the fingerprint) is a fair share of a small
+# call. Each keeps its codec, so that no other object can take its id.
+_noop_codings: dict[tuple[int, torch.dtype], Coding] = {}
+_KEEP_NOOP_CODINGS = 64
+
+
+def _coding(codec: Any, dtype: torch.dtype) -> Coding:
+    """The :class:`Coding` of ``codec`` for a call on data of ``dtype``."""
+    if type(codec) is not NoOpQuantizedCommCodec:
+        return Coding(codec, dtype)
+    key = (id(codec), dtype)
+    kept = _noop_codings.get(key)
+    if kept is not None and kept.codec is codec and kept.wire_dtype == codec.quantized_dtype:
+        return kept
+    made = Coding(codec, dtype)
+    if len(_noop_codings) >= _KEEP_NOOP_CODINGS:
+        _noop_codings.clear()  # many no-op codec objects: start again
+    _noop_codings[key] = made
+    return made
+
+
 class Side(NamedTuple):
     """
     One codec a call was given (a :class:`~qcomm.HostCodecs` gives two, the
@@ -106,7 +129,7 @@ class PeerCodings:
             if id(c) in made:
                 continue
             used = c.current(collective) if isinstance(c, AdaptiveCodec) else 0
-            made[id(c)] = coding = Coding(
+            made[id(c)] = coding = _coding(
                 c.candidates[used] if isinstance(c, AdaptiveCodec) else c, dtype
             )
             sides.append(Side(c, used, coding))

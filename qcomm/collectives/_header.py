@@ -140,7 +140,9 @@ def identity(call: str, number: int, codec: int, dtype: str, flow: Flow) -> int:
     """The hash a status carries: the call as one side of a pair sees it."""
     # The call's number is mixed in apart (a bijection of it, added modulo
     # 2**64), so that the rest, alike from call to call, is hashed once.
-    mixed = (_described(call, codec, dtype, flow) + number * _GOLDEN) & _MASK
+    # The flow goes in as its fields: hashing them is a step of C, hashing
+    # the dataclass a call of Python.
+    mixed = (_described(call, codec, dtype, flow.elements, flow.sizes) + number * _GOLDEN) & _MASK
     return mixed - (1 << 64) if mixed >> 63 else mixed
 
 
@@ -149,8 +151,8 @@ _MASK = (1 << 64) - 1
 
 
 @functools.lru_cache(maxsize=4096)
-def _described(call: str, codec: int, dtype: str, flow: Flow) -> int:
-    return hash64(f"{call}|{codec}|{dtype}|{flow.elements}|{flow.sizes}")
+def _described(call: str, codec: int, dtype: str, elements: int, sizes: tuple[int, ...]) -> int:
+    return hash64(f"{call}|{codec}|{dtype}|{elements}|{sizes}")
 
 
 def status_bytes(slots: int) -> int:
