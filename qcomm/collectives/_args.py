@@ -39,17 +39,22 @@ _members: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, int]] = (
 )
 
 
+_UNINITIALISED = (
+    "group: expected an initialised process group, got none "
+    "(call torch.distributed.init_process_group first)"
+)
+
+
 def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
     """The process group of a call (``None``: the default group), this rank and the world size."""
     # The default group is looked up late so that importing qcomm never
-    # requires an initialised process group.
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            "group: expected an initialised process group, got none "
-            "(call torch.distributed.init_process_group first)"
-        )
+    # requires an initialised process group (it is None until then).
+    if not dist.is_available():
+        raise ValueError(_UNINITIALISED)
     if group is None:
         group = dist.group.WORLD
+        if group is None:
+            raise ValueError(_UNINITIALISED)
     if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
         # What new_group() hands the processes it leaves out.
         raise ValueError(
@@ -64,6 +69,8 @@ def resolve_group(group: Any) -> tuple[dist.ProcessGroup, int, int]:
     if known is not None and group not in dist.distributed_c10d._world.pg_map:
         known = None  # destroyed since: torch says so below
     if known is None:
+        if not dist.is_initialized():  # a group kept from before a destroy
+            raise ValueError(_UNINITIALISED)
         rank = dist.get_rank(group)
         if rank < 0:
             raise ValueError("group: this process is not a member of the given process group")
