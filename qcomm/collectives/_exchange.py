@@ -426,7 +426,8 @@ def start_exchange(
         failure = _send(
             steps, agreed, disagreement, codings, transport, protocol, lender, encoded, meter
         )
-        protocol.release(failure is None, _errors(meter) if failure is None else None)
+        errors = _errors(meter) if failure is None and meter is not None else None
+        protocol.release(failure is None, errors)
         transport.flush()
     except BaseException:
         transport.abandon()

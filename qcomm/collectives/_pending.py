@@ -133,7 +133,8 @@ class Pending(Awaitable[torch.Tensor]):
         self._finish: Callable[[], torch.Tensor] | None = finish
         self._backward = backward
         # Everything the call gave the current stream is issued by now.
-        self._mark = _streams.issued(input.device)
+        device = input.device
+        self._mark = _streams.issued(device) if device.type == "cuda" else None
         _unwaited.add(self)
 
     def _wait_impl(self) -> torch.Tensor:
@@ -142,7 +143,9 @@ class Pending(Awaitable[torch.Tensor]):
         # Taken first: a call whose wait failed is never finished again.
         finish, self._finish = self._finish, None
         _unwaited.discard(self)
-        _streams.join(self._mark)
+        mark = self._mark  # None off CUDA: no streams to order
+        if mark is not None:
+            _streams.join(mark)
         assert finish is not None
         if self._issued is not None:
             finish()
@@ -153,7 +156,8 @@ class Pending(Awaitable[torch.Tensor]):
         else:
             output = apply(self._input, _ANCHOR, finish, self._backward)
             del self._input
-        _streams.keep(self._mark, output)
+        if mark is not None:
+            _streams.keep(mark, output)
         # Drop what the call held so that wait() frees the wire buffers.
         del self._backward
         return output
