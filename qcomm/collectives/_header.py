@@ -183,6 +183,12 @@ def status(
     return torch.cat([on_device, errors.view(torch.uint8)])
 
 
+#: ``went_well(identity)``: the first :data:`STATUS_BYTES` of the status of
+#: a call that went well and is ``identity``'s (a step of C: every status
+#: of every call is compared with one)
+went_well = functools.partial(struct.Struct("<IIq").pack, _STATUS_MAGIC, OK)
+
+
 def status_errors(blob: bytes, slots: int) -> list[float]:
     """The error slots of a status read (two floats each), as sent."""
     return list(struct.unpack_from(f"<{2 * slots}f", blob, STATUS_BYTES)) if slots else []

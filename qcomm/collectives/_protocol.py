@@ -200,6 +200,15 @@ class Protocol:
         statuses = self._statuses
         if not statuses:
             return None
+        if not self.slots:
+            # The usual answer, found by comparing bytes: every status read
+            # here is the one of a call that went well and is this one.
+            expected, well = self._expected, _header.went_well
+            for peer, blob in statuses.items():
+                if type(blob) is not bytes or blob[: _header.STATUS_BYTES] != well(expected[peer]):
+                    break
+            else:
+                return None
         order = sorted(statuses)
         on_device = [s for p in order if isinstance(s := statuses[p], torch.Tensor)]
         # One copy to the host for all that are on a device (one wait for it).
