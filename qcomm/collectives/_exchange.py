@@ -228,7 +228,9 @@ class Plan(NamedTuple):
     The messages of an exchange, in sending and receiving order, and the
     index of the last one to and from each peer (the one with a status).
     ``flows``: what travels each way, by peer, where known from the shape
-    alone (every coding a no-op's), else ``None`` (see :func:`_flows`).
+    alone (every coding a no-op's), else ``None`` (see :func:`_flows`);
+    ``early``: the sends that are not the last to one of their peers;
+    ``received``: the elements received (padding included).
     """
 
     sends: list[Send]
@@ -237,6 +239,8 @@ class Plan(NamedTuple):
     last_out: dict[int, int]
     last_in: dict[int, int]
     flows: dict[int, Flows] | None = None
+    early: frozenset[int] = frozenset()
+    received: int = 0
 
 
 #: ``encoded(piece, x, wire, ctx)``: the caller's hook that hears of every
@@ -259,6 +263,8 @@ class _Shape(NamedTuple):
     last_out: dict[int, int]
     last_in: dict[int, int]
     flows: dict[int, Flows] | None
+    early: frozenset[int]
+    received: int
 
 
 # Plans kept by shape (the regions' kinds and sizes, their codings'
@@ -300,7 +306,7 @@ def plan(
     in_regions = [r for _, r in recvs]
     out = [Send(to, _piece(out_regions, i, a, b, by[to[0]])) for to, i, a, b in shape.sends]
     receives = [Receive(p, _piece(in_regions, i, a, b, by[p])) for p, i, a, b in shape.receives]
-    return Plan(out, receives, shape.peers, shape.last_out, shape.last_in, shape.flows)
+    return Plan(out, receives, *shape[2:])
 
 
 def _piece(regions: list[Region], index: int, start: int, stop: int, coding: Coding) -> Piece:
@@ -347,6 +353,8 @@ def _shape(
     receives += [(p, -1, 0, 0) for p in peers if not any(p == r[0] for r in receives)]
     last_out = {p: i for i, s in enumerate(out) for p in s[0]}
     last_in = {r[0]: n for n, r in enumerate(receives)}
+    early = frozenset(i for i, s in enumerate(out) if any(last_out[p] != i for p in s[0]))
+    received = sum(b - a for _, i, a, b in receives if i >= 0)
     flows = None
     if all(c.identity for c in codings.distinct):
         # A no-op coding's wire is its data: the flows follow from the cuts.
@@ -363,7 +371,7 @@ def _shape(
             p: Flows(Flow(sum(sent[p]), tuple(sent[p])), Flow(sum(expected[p]), tuple(expected[p])))
             for p in peers
         }
-    return _Shape(out, receives, peers, last_out, last_in, flows)
+    return _Shape(out, receives, peers, last_out, last_in, flows, early, received)
 
 
 def start_exchange(
@@ -405,7 +413,9 @@ def start_exchange(
     transport = call.transport
     steps = plan(sends, recvs, codings, transport, chunk_bytes)
     finish = _Receiver(steps, codings, transport, add, before)
-    lender = _Lender(steps, codings) if background and transport.moves_alone else None
+    lender = None
+    if background and transport.moves_alone and steps.early:
+        lender = _Lender(steps, codings)
     # A call that encodes has slots for its errors in its statuses; it
     # measures them where asked (see _measure.measuring).
     slots = [slots_of(side) for side in codings.sides]
@@ -444,7 +454,7 @@ def start_exchange(
         local = None
     finish.keep(agreed, local)
     done: Callable[[], None] = finish
-    if background and transport.moves_alone and _received(steps) >= _HAND_OFF:
+    if background and transport.moves_alone and steps.received >= _HAND_OFF:
         done = _background.later(finish)
     if meter is None:
         return done
@@ -475,9 +485,7 @@ class _Lender:
         lent = [
             s
             for i, s in enumerate(steps.sends)
-            if s.piece.region is not None
-            and codings[s.to[0]].identity
-            and any(steps.last_out[p] != i for p in s.to)
+            if i in steps.early and s.piece.region is not None and codings[s.to[0]].identity
         ]
         #: elements to copy, and their dtype (a no-op coding's wire is the data)
         self.copies = sum(s.piece.size for s in lent)
@@ -522,7 +530,7 @@ def _send(
         if failure is not None:
             # The peers have posted receives of this size: fill them.
             wire = torch.zeros(piece.size, dtype=coding.wire_dtype, device=transport.device)
-        if lender is not None and any(steps.last_out[p] != i for p in targets):
+        if lender is not None and i in steps.early and any(steps.last_out[p] != i for p in targets):
             wire = lender.lend(wire, piece.region)
         for peer in targets:
             if steps.last_out[peer] == i:
@@ -670,11 +678,6 @@ def _reads(wire: torch.Tensor, region: Region | None) -> bool:
     if region is None or not wire.numel():
         return False
     return bool(wire.untyped_storage().data_ptr() == region.region.untyped_storage().data_ptr())
-
-
-def _received(steps: Plan) -> int:
-    """Elements (padding included) that an exchange receives from its peers."""
-    return sum(piece.stop - piece.start for _, piece in steps.receives)
 
 
 def _flows(steps: Plan) -> dict[int, Flows]:

@@ -78,6 +78,13 @@ def test_a_call_of_a_seen_shape_binds_its_own_regions_to_the_kept_cuts(
     per_peer = 1 if chunk_bytes is None else 4
     assert len(second.sends) == len(second.receives) == 2 * per_peer
     assert second.flows is not None and second.flows == _exchange._flows(second)
+    # Sends before a peer's last (copied where a call returns before they go).
+    assert second.early == {
+        i for i, s in enumerate(second.sends) if any(second.last_out[p] != i for p in s.to)
+    }
+    assert len(second.early) == 2 * (per_peer - 1)
+    assert second.received == sum(r.piece.stop - r.piece.start for r in second.receives)
+    assert second.received == 2 * 8 * 32
 
 
 def test_other_sizes_transports_or_codecs_cut_another_shape(shapes_cut: list[int]) -> None:
