@@ -61,12 +61,15 @@ def mode() -> str:
     return how
 
 
-def safe_mode() -> str:
-    """:func:`mode`, or ``"first"`` where ``QCOMM_VERIFY`` is invalid (the check says so)."""
+def read_mode() -> tuple[str, ValueError | None]:
+    """
+    :func:`mode`, or ``"first"`` and the error where ``QCOMM_VERIFY`` is
+    invalid (the check says so); read once per call.
+    """
     try:
-        return mode()
-    except ValueError:
-        return "first"
+        return mode(), None
+    except ValueError as err:
+        return "first", err
 
 
 def _describe(value: Any) -> str:
@@ -98,6 +101,7 @@ class Agreement:
         rank: int,
         world: int,
         input: Any,
+        verify: tuple[str, ValueError | None] | None = None,
     ) -> None:
         if collective not in COLLECTIVES:
             raise AssertionError(f"qcomm: unknown collective {collective!r}")
@@ -111,11 +115,9 @@ class Agreement:
         self.input = input
         # A rank with an invalid QCOMM_VERIFY still meets its peers where
         # they verify by default, to tell them (see __exit__).
-        self.bad_mode: ValueError | None = None
-        try:
-            how = self.mode = mode()
-        except ValueError as err:
-            how, self.mode, self.bad_mode = "first", "first", err
+        # ``verify``: the call's read_mode(), where it has read it.
+        how, self.bad_mode = verify if verify is not None else read_mode()
+        self.mode = how
         self.due = world > 1 and (
             how == "always" or (how == "first" and collective not in _verified.get(group, ()))
         )

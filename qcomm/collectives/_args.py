@@ -229,7 +229,8 @@ def resolve_codecs(codecs: Any, dtype: torch.dtype, backend: Backend) -> tuple[A
         )
     # Without codecs the data travels in its own dtype, as with a plain
     # collective: no cast, no extra bytes.
-    return _noop(dtype), _noop(dtype)
+    noop = _noop(dtype)
+    return noop, noop
 
 
 # qcomm's no-op codec of each dtype, made once (it keeps no state).

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives._agreement import Agreement, safe_mode
+from qcomm.collectives._agreement import Agreement, read_mode
 from qcomm.collectives._args import resolve_group
 from qcomm.collectives._backends import Backend, backend_of
 from qcomm.collectives._hosts import ByHost, per_peer
@@ -41,8 +41,10 @@ class Call:
         self.world = world
         #: what the group's backend does with the call's tensors, asked once
         self.backend: Backend = backend_of(group, device)
+        #: the setting ``verify`` (``"first"`` and its error where invalid), read once
+        self.verify = read_mode()
         #: whether the call exchanges headers before its data (``QCOMM_VERIFY=1``)
-        self.checked = safe_mode() == "always"
+        self.checked = self.verify[0] == "always"
         #: whether this rank's headers have gone out on the current transport
         #: (then a failure is told in-band, with the data)
         self.announced = False
@@ -144,7 +146,7 @@ def begin(name: str, group: Any, input: Any, collective: str | None = None) -> C
         raise
     call = Call(name, pg, rank, world, device)
     if collective is not None:
-        call._agreement = Agreement(collective, pg, rank, world, input)
+        call._agreement = Agreement(collective, pg, rank, world, input, call.verify)
     return call
 
 
@@ -156,7 +158,7 @@ def _tell_default_group(name: str, error: BaseException, collective: str | None)
     call = Call(name, pg, rank, world, torch.device("cpu"))
     if collective is not None:
         # Where the peers check agreement on this call, meet them there.
-        call._agreement = Agreement(collective, pg, rank, world, None)
+        call._agreement = Agreement(collective, pg, rank, world, None, call.verify)
         try:
             with call.agreement:
                 raise error

@@ -302,21 +302,24 @@ def plan(
             if len(_shapes) >= _KEEP_SHAPES:
                 del _shapes[next(iter(_shapes))]
             _shapes[key] = shape
-    out_regions = [r for _, r in sends]
-    in_regions = [r for _, r in recvs]
-    out = [Send(to, _piece(out_regions, i, a, b, by[to[0]])) for to, i, a, b in shape.sends]
-    receives = [Receive(p, _piece(in_regions, i, a, b, by[p])) for p, i, a, b in shape.receives]
+    out = [Send(to, _piece(sends, i, a, b, by[to[0]])) for to, i, a, b in shape.sends]
+    receives = [Receive(p, _piece(recvs, i, a, b, by[p])) for p, i, a, b in shape.receives]
     return Plan(out, receives, *shape[2:])
 
 
-def _piece(regions: list[Region], index: int, start: int, stop: int, coding: Coding) -> Piece:
-    """The piece ``[start, stop)`` of ``regions[index]`` (-1: a status alone), its wire size by ``coding``."""
+def _piece(
+    given: Sequence[tuple[Any, Region]], index: int, start: int, stop: int, coding: Coding
+) -> Piece:
+    """
+    The piece ``[start, stop)`` of the region of ``given[index]`` (a send's
+    or a receive's; -1: a status alone), its wire size by ``coding``.
+    """
     if index < 0:
         return _NOTHING
     if coding.identity:  # the wire is the data
-        return Piece(regions[index], start, stop, stop - start)
+        return Piece(given[index][1], start, stop, stop - start)
     size = quantized_sizes(coding.codec, coding.ctx, [stop - start])[0]
-    return Piece(regions[index], start, stop, size)
+    return Piece(given[index][1], start, stop, size)
 
 
 def _shape(

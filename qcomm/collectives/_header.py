@@ -160,11 +160,6 @@ def status_bytes(slots: int) -> int:
     return STATUS_BYTES + SLOT_BYTES * slots
 
 
-def status_elements(dtype: torch.dtype, slots: int = 0) -> int:
-    """Elements of ``dtype`` that hold a status (at the end of a peer's last message)."""
-    return -(-status_bytes(slots) // dtype.itemsize)
-
-
 def status(
     ok: bool, identity: int, errors: list[float] | torch.Tensor | None = None
 ) -> bytes | torch.Tensor:

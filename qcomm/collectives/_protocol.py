@@ -101,7 +101,7 @@ class Protocol:
 
     def status_elements(self, wire_dtype: torch.dtype) -> int:
         """Elements of ``wire_dtype`` that a peer's last message carries beyond its data."""
-        return _header.status_elements(wire_dtype, self.slots)
+        return -(-self.status_bytes // wire_dtype.itemsize)
 
     def announce(self) -> None:
         """Sends this rank's header to every peer and posts theirs (a checked call only)."""
