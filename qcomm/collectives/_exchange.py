@@ -361,19 +361,11 @@ def _shape(
     flows = None
     if all(c.identity for c in codings.distinct):
         # A no-op coding's wire is its data: the flows follow from the cuts.
-        sent: dict[int, list[int]] = {p: [] for p in peers}
-        expected: dict[int, list[int]] = {p: [] for p in peers}
-        for to, i, a, b in out:
-            for p in to:
-                if i >= 0:
-                    sent[p].append(b - a)
-        for p, i, a, b in receives:
-            if i >= 0:
-                expected[p].append(b - a)
-        flows = {
-            p: Flows(Flow(sum(sent[p]), tuple(sent[p])), Flow(sum(expected[p]), tuple(expected[p])))
-            for p in peers
-        }
+        flows = _flows_of(
+            peers,
+            [(to, b - a, b - a) for to, i, a, b in out if i >= 0],
+            [(p, b - a, b - a) for p, i, a, b in receives if i >= 0],
+        )
     return _Shape(out, receives, peers, last_out, last_in, flows, early, received)
 
 
@@ -685,16 +677,31 @@ def _reads(wire: torch.Tensor, region: Region | None) -> bool:
 
 def _flows(steps: Plan) -> dict[int, Flows]:
     """What this rank sends each peer and expects from it: elements and chunk wire sizes."""
-    sent: dict[int, list[Piece]] = {p: [] for p in steps.peers}
-    expected: dict[int, list[Piece]] = {p: [] for p in steps.peers}
-    for to, piece in steps.sends:
+    return _flows_of(
+        steps.peers,
+        [(to, p.stop - p.start, p.size) for to, p in steps.sends if p.region is not None],
+        [(peer, p.stop - p.start, p.size) for peer, p in steps.receives if p.region is not None],
+    )
+
+
+def _flows_of(
+    peers: list[int],
+    sends: list[tuple[list[int], int, int]],
+    receives: list[tuple[int, int, int]],
+) -> dict[int, Flows]:
+    """
+    :func:`_flows` from the data messages alone: each send's ``(peers,
+    elements, wire size)`` and each receive's ``(peer, elements, wire size)``.
+    """
+    sent: dict[int, list[tuple[int, int]]] = {p: [] for p in peers}
+    expected: dict[int, list[tuple[int, int]]] = {p: [] for p in peers}
+    for to, elements, size in sends:
         for p in to:
-            sent[p].append(piece)
-    for peer, piece in steps.receives:
-        expected[peer].append(piece)
-    return {p: Flows(_flow(sent[p]), _flow(expected[p])) for p in steps.peers}
+            sent[p].append((elements, size))
+    for peer, elements, size in receives:
+        expected[peer].append((elements, size))
+    return {p: Flows(_flow(sent[p]), _flow(expected[p])) for p in peers}
 
 
-def _flow(pieces: list[Piece]) -> Flow:
-    data = [p for p in pieces if p.region is not None]
-    return Flow(sum(p.stop - p.start for p in data), tuple(p.size for p in data))
+def _flow(messages: list[tuple[int, int]]) -> Flow:
+    return Flow(sum(n for n, _ in messages), tuple(size for _, size in messages))

@@ -488,7 +488,8 @@ def _trailer_elements(trailer: bytes | torch.Tensor | None, dtype: torch.dtype) 
 
 def _write(out: torch.Tensor, wire: torch.Tensor, trailer: bytes | torch.Tensor | None) -> None:
     """Writes ``wire`` then ``trailer`` into ``out`` (any dtype: its bytes are written)."""
-    out = out.view(torch.uint8)
+    if out.dtype != torch.uint8:  # a view is a step of its own: only where needed
+        out = out.view(torch.uint8)
     if out.device.type == "cpu" and _write_numpy(out.numpy(), wire, trailer):
         return
     size = wire.numel() * wire.element_size()
@@ -532,6 +533,5 @@ def _joined(wire: torch.Tensor, trailer: bytes | torch.Tensor) -> torch.Tensor:
     """
     size = (wire.numel() + _trailer_elements(trailer, wire.dtype)) * wire.element_size()
     out = _buffers.take(size, torch.uint8, wire.device)
-    if out.device.type != "cpu" or not _write_numpy(out.numpy(), wire, trailer):
-        _write(out, wire, trailer)
+    _write(out, wire, trailer)
     return out
